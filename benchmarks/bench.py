@@ -1,0 +1,265 @@
+"""fa_torch and fa_jax beside the peers on the GPU: TFLOP/s, forward and forward+backward.
+
+Peers present on the machine are measured in the same run: torch SDPA (flash, cuDNN,
+memory-efficient backends), ``jax.nn.dot_product_attention`` (cuDNN and XLA) and
+Pallas' Triton attention. FLOPs follow flash-attn: 4*B*H*Sq*Sk*D for the forward,
+halved when causal; forward+backward counts 3.5x the forward. Each time is the median
+of many runs after warm-up, on random inputs.
+
+    python benchmarks/bench.py [--quick] [--out benchmarks]   # writes RESULTS.md and bench.png
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and jax share the GPU
+
+import fa_kernels  # noqa: E402,F401
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fa_torch  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bar is a nicety
+    def tqdm(x, **_):
+        return x
+
+
+def flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, mode):
+    f = 4 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def bench_torch(fn, warmup_ms=100, rep_ms=500):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def bench_jax(fn, args, reps=20, rounds=7):
+    """Median over rounds of (time of ``reps`` back-to-back calls) / reps, in ms."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / reps * 1e3)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------- torch side
+
+
+def torch_impls():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def ours(q, k, v, causal):
+        return fa_torch.attention(q, k, v, causal=causal)
+
+    def sdpa(backend):
+        def run(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                    enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+        return run
+
+    impls = {"fa_torch": (ours, "bshd")}
+    for name, backend in (("torch SDPA flash (FA2)", SDPBackend.FLASH_ATTENTION),
+                          ("torch SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
+                          ("torch SDPA efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        impls[name] = (sdpa(backend), "bhsd")
+    return impls
+
+
+def run_torch_impl(fn, layout, shape, dtype, causal, mode):
+    batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make(s, h):
+        if layout == "bhsd":  # SDPA wants (B, H, S, D) contiguous: pass a transposed view of it
+            return torch.randn(batch, h, s, head_dim, device="cuda", dtype=dtype,
+                               generator=gen).transpose(1, 2).requires_grad_(mode != "fwd")
+        return torch.randn(batch, s, h, head_dim, device="cuda", dtype=dtype,
+                           generator=gen).requires_grad_(mode != "fwd")
+
+    q, k, v = make(seqlen_q, heads_q), make(seqlen_k, heads_k), make(seqlen_k, heads_k)
+    dout = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=dtype)
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, causal)
+    else:
+        def step():
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v, causal).backward(dout)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = bench_torch(step)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    return ms, peak
+
+
+# ------------------------------------------------------------------------------ jax side
+
+
+def jax_impls():
+    import jax
+
+    import fa_jax
+
+    impls = {"fa_jax": lambda q, k, v, causal: fa_jax.attention(q, k, v, causal=causal)}
+    for name, impl in (("jax cuDNN", "cudnn"), ("jax XLA", "xla")):
+        impls[name] = (lambda impl: lambda q, k, v, causal: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=impl))(impl)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        def pallas(q, k, v, causal):
+            if q.shape[2] != k.shape[2]:
+                rep = q.shape[2] // k.shape[2]
+                k, v = (jax.numpy.repeat(x, rep, axis=2) for x in (k, v))
+            return pallas_attention.mha(q, k, v, segment_ids=None, causal=causal,
+                                        sm_scale=q.shape[-1] ** -0.5)
+        impls["Pallas (Triton) mha"] = pallas
+    except Exception as exc:  # noqa: BLE001
+        print(f"Pallas attention not available: {exc}", file=sys.stderr)
+    return impls
+
+
+def run_jax_impl(fn, shape, dtype, causal, mode):
+    import jax
+    import jax.numpy as jnp
+
+    batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim = shape
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    jdtype = jnp.dtype(str(dtype).removeprefix("torch."))
+    q = jax.random.normal(keys[0], (batch, seqlen_q, heads_q, head_dim), jdtype)
+    k = jax.random.normal(keys[1], (batch, seqlen_k, heads_k, head_dim), jdtype)
+    v = jax.random.normal(keys[2], (batch, seqlen_k, heads_k, head_dim), jdtype)
+    dout = jax.random.normal(keys[3], q.shape, jdtype)
+    if mode == "fwd":
+        step = jax.jit(lambda q, k, v: fn(q, k, v, causal))
+    else:
+        def fwd_bwd(q, k, v):
+            out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, causal), q, k, v)
+            return vjp(dout)
+        step = jax.jit(fwd_bwd)
+    return bench_jax(step, (q, k, v)), float("nan")
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def shapes(quick):
+    """(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal), B*S = 16384."""
+    out = []
+    seqlens = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+    for head_dim, heads in ((64, 32), (128, 16)) if quick else ((64, 32), (128, 16), (256, 8)):
+        for seqlen in seqlens:
+            for causal in (False, True):
+                out.append((16384 // seqlen, seqlen, seqlen, heads, heads, head_dim, causal))
+    out.append((4, 4096, 4096, 32, 8, 128, False))  # GQA
+    out.append((4, 4096, 4096, 16, 16, 128, False))  # the core issue's comparison shape
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--modes", default="fwd,fwd+bwd")
+    parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    modes = args.modes.split(",")
+    rows = []
+    t_impls, j_impls = torch_impls(), jax_impls()
+    work = [(s, m) for s in shapes(args.quick) for m in modes]
+    for (b, sq, sk, hq, hk, d, causal), mode in tqdm(work, desc="bench", file=sys.stderr):
+        shape = (b, sq, sk, hq, hk, d)
+        result = {}
+        for name, (fn, layout) in t_impls.items():
+            try:
+                result[name] = run_torch_impl(fn, layout, shape, dtype, causal, mode)
+            except Exception as exc:  # noqa: BLE001  (a peer that cannot run this shape)
+                print(f"{name} {shape} {mode}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        for name, fn in j_impls.items():
+            try:
+                result[name] = run_jax_impl(fn, shape, dtype, causal, mode)
+            except Exception as exc:  # noqa: BLE001
+                print(f"{name} {shape} {mode}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        f = flops(b, hq, sq, sk, d, causal, mode)
+        rows.append(((b, sq, hq, hk, d, causal, mode),
+                     {n: (f / (ms * 1e-3) / 1e12, ms, peak) for n, (ms, peak) in result.items()}))
+    names = list(t_impls) + list(j_impls)
+    table = render(rows, names, args)
+    with open(os.path.join(args.out, "RESULTS.md"), "w") as fh:
+        fh.write(table)
+    plot(rows, names, os.path.join(args.out, "bench.png"))
+    print(table)
+
+
+def render(rows, names, args):
+    date = datetime.date.today().isoformat()
+    gpu = torch.cuda.get_device_name()
+    lines = [f"# Benchmark results\n",
+             f"{gpu}, {args.dtype}, {date}; torch {torch.__version__}. Command: "
+             f"`python benchmarks/bench.py {'--quick ' if args.quick else ''}--dtype {args.dtype}`.\n",
+             "TFLOP/s (flash-attn convention: 4·B·H·S²·D forward, half when causal, "
+             "fwd+bwd 3.5x); median of many runs after warm-up. `—`: the peer could not run it.\n"]
+    header = "| B | S | Hq | Hk | D | causal | mode | " + " | ".join(names) + " | fa_torch / FA2 | fa_torch / cuDNN |"
+    lines += [header, "|" + "---|" * (header.count("|") - 1)]
+    for (b, s, hq, hk, d, causal, mode), res in rows:
+        cells = [f"{res[n][0]:.0f}" if n in res else "—" for n in names]
+        ratio = lambda peer: (f"{res['fa_torch'][0] / res[peer][0]:.2f}"  # noqa: E731
+                              if "fa_torch" in res and peer in res else "—")
+        lines.append(f"| {b} | {s} | {hq} | {hk} | {d} | {causal} | {mode} | " + " | ".join(cells)
+                     + f" | {ratio('torch SDPA flash (FA2)')} | {ratio('torch SDPA cuDNN')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, names, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    panels = sorted({(d, causal, mode) for (b, s, hq, hk, d, causal, mode), _ in rows if hq == hk})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, (d, causal, mode) in zip(axes[0], panels):
+        sel = [(s, res) for (b, s, hq, hk, dd, c, m), res in rows
+               if (dd, c, m) == (d, causal, mode) and hq == hk and b * s == 16384]
+        for name in names:
+            pts = [(s, res[name][0]) for s, res in sel if name in res]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d} causal={causal} {mode}", fontsize=9)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""FlashAttention-2 for JAX, on the shared Triton kernels of ``fa_kernels``.
+
+On a CUDA GPU the kernels launch through ``jax_triton.triton_call``; without one they
+run in Triton's interpreter inside a host callback (importing this turns the
+interpreter on before triton is imported).
+"""
+import fa_kernels  # noqa: F401  (decides interpreter vs compiled before triton loads)
+
+from .ops import attention
+
+__all__ = ["attention"]

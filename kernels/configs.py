@@ -1,0 +1,86 @@
+"""Block sizes, warps and stages: a table, no runtime autotuning.
+
+Autotuning at run time would let torch and jax (or two runs) pick different configs
+and so give different bits; a table keeps both front ends on the same kernel.
+
+GPU entries are keyed by (kernel, padded head dim, dtype); the tile is then shrunk
+to the sequence length (a seqlen bucket: the next power of two, at least 16), so
+short sequences do not pay for empty rows. ``benchmarks/tune.py`` measures
+candidates on the GPU; the table holds what it chose.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer (measured on sm_90).
+_GPU_16BIT = {
+    ("forward", 16): TileConfig(128, 64, 4, 3),
+    ("forward", 32): TileConfig(128, 64, 4, 3),
+    ("forward", 64): TileConfig(128, 64, 4, 3),
+    ("forward", 128): TileConfig(128, 64, 8, 3),
+    ("forward", 256): TileConfig(64, 64, 8, 2),
+    ("dkdv", 16): TileConfig(32, 128, 4, 3),
+    ("dkdv", 32): TileConfig(32, 128, 4, 3),
+    ("dkdv", 64): TileConfig(32, 128, 4, 3),
+    ("dkdv", 128): TileConfig(32, 128, 8, 2),
+    ("dkdv", 256): TileConfig(32, 64, 8, 1),
+    ("dq", 16): TileConfig(128, 32, 4, 3),
+    ("dq", 32): TileConfig(128, 32, 4, 3),
+    ("dq", 64): TileConfig(128, 32, 4, 3),
+    ("dq", 128): TileConfig(128, 32, 8, 2),
+    ("dq", 256): TileConfig(64, 32, 8, 1),
+    ("preprocess", 0): TileConfig(128, 0, 4, 1),
+}
+
+# fp32 tiles take twice the shared memory and registers: halve them.
+_GPU_32BIT = {
+    ("forward", 16): TileConfig(64, 64, 4, 2),
+    ("forward", 32): TileConfig(64, 64, 4, 2),
+    ("forward", 64): TileConfig(64, 64, 4, 2),
+    ("forward", 128): TileConfig(64, 32, 4, 2),
+    ("forward", 256): TileConfig(32, 32, 4, 1),
+    ("dkdv", 16): TileConfig(32, 64, 4, 2),
+    ("dkdv", 32): TileConfig(32, 64, 4, 2),
+    ("dkdv", 64): TileConfig(32, 64, 4, 2),
+    ("dkdv", 128): TileConfig(16, 64, 4, 1),
+    ("dkdv", 256): TileConfig(16, 32, 4, 1),
+    ("dq", 16): TileConfig(64, 32, 4, 2),
+    ("dq", 32): TileConfig(64, 32, 4, 2),
+    ("dq", 64): TileConfig(64, 32, 4, 2),
+    ("dq", 128): TileConfig(64, 16, 4, 1),
+    ("dq", 256): TileConfig(32, 16, 4, 1),
+    ("preprocess", 0): TileConfig(64, 0, 4, 1),
+}
+
+# The interpreter pays ~5 ms of Python per tile step, whatever its size: big tiles.
+_INTERPRETER = TileConfig(64, 64, 4, 1)
+
+
+def seqlen_bucket(seqlen: int) -> int:
+    """The smallest power of two >= seqlen, at least 16 (the smallest tl.dot side)."""
+    return max(16, 1 << max(0, seqlen - 1).bit_length())
+
+
+def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
+                capability: tuple[int, int] | None) -> TileConfig:
+    """The config of one kernel; ``capability`` None means the CPU interpreter."""
+    if capability is None:
+        base = _INTERPRETER
+    else:
+        table = _GPU_32BIT if dtype == "float32" else _GPU_16BIT
+        base = table[(kernel, 0 if kernel == "preprocess" else block_d)]
+    block_m = min(base.block_m, seqlen_bucket(seqlen_q))
+    block_n = min(base.block_n, seqlen_bucket(seqlen_k)) if base.block_n else 0
+    num_warps = base.num_warps
+    if capability is not None and max(block_m, block_n) <= 32:
+        num_warps = min(num_warps, 4)
+    return TileConfig(block_m, block_n, num_warps, base.num_stages)

@@ -1,0 +1,74 @@
+"""Two fixes to Triton 3.6's interpreter so the CPU path computes what the GPU does.
+
+Applied once, only when the kernels run interpreted (``TRITON_INTERPRET=1``). The
+interpreter keeps bf16 tensors as raw uint16 bit patterns:
+
+* ``tl.dot`` on bf16 operands multiplied those bit patterns as integers
+  (triton#11584). We widen bf16 operands to fp32 first: exact, and what the tensor
+  cores do (bf16 products are exact in fp32, accumulation in fp32).
+* fp32 -> bf16 casts truncated, where the GPU rounds to nearest even. We round.
+
+Elementwise bf16 arithmetic and reductions are also wrong in the interpreter, which
+is why the kernels do all elementwise math in fp32 (as they should anyway).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_applied = False
+
+
+def _bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even fp32 -> bf16, NaN kept NaN, as cvt.rn.bf16.f32."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    rounded = ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if np.any(nan):
+        rounded = np.where(nan, np.uint16(0x7FC0), rounded)
+    return rounded
+
+
+def apply() -> None:
+    global _applied
+    if _applied:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder_cls = interp.InterpreterBuilder
+    original_dot = builder_cls.create_dot
+    original_cast = builder_cls.cast_impl
+    original_fp_to_fp = builder_cls.create_fp_to_fp
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+            a_data = _bf16_bits_to_fp32(a.data) if a.dtype.scalar == tl.bfloat16 else a.data
+            b_data = _bf16_bits_to_fp32(b.data) if b.dtype.scalar == tl.bfloat16 else b.data
+            out = np.matmul(a_data, b_data, dtype=np.float32).astype(d.data.dtype) + d.data
+            return interp.TensorHandle(out, d.dtype.scalar)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if src_ty == tl.bfloat16 and dst_ty == tl.float32:
+            return interp.TensorHandle(_bf16_bits_to_fp32(src.data), dst_ty)
+        if src_ty == tl.float32 and dst_ty == tl.bfloat16:
+            return interp.TensorHandle(_fp32_to_bf16_bits(src.data), dst_ty)
+        return original_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interp.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder_cls.create_dot = create_dot
+    builder_cls.cast_impl = cast_impl
+    builder_cls.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+    builder_cls.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+    builder_cls.create_fp_to_fp = create_fp_to_fp
+    _applied = True

@@ -1,0 +1,54 @@
+"""Where the kernels run: compiled on a CUDA GPU, or in Triton's interpreter on the CPU.
+
+No triton, torch or jax import here: this module must decide before triton is first
+imported, because ``triton.jit`` picks interpreted or compiled at decoration time
+(and Triton's own ``tl.*`` helpers are decorated when triton is imported).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_device_count() -> int:
+    """CUDA devices the driver sees (0 with no driver), asked of libcuda directly."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    if cuda.cuInit(0) != 0:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "yes", "on")
+
+
+def configure() -> None:
+    """Turn on the interpreter on a machine without a GPU, before triton is imported.
+
+    An explicit TRITON_INTERPRET in the environment always wins. With no GPU and triton
+    already imported in compiled mode, nothing can fix it from here: say what to do.
+    """
+    if INTERPRET_ENV in os.environ:
+        return
+    if cuda_device_count() > 0:
+        return
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "No CUDA GPU found, so the kernels must run in Triton's interpreter, but "
+            "triton was imported before fa_kernels/fa_torch/fa_jax and is in compiled "
+            "mode. Set TRITON_INTERPRET=1 in the environment before anything imports "
+            "triton (or import fa_torch / fa_jax first)."
+        )
+    os.environ[INTERPRET_ENV] = "1"

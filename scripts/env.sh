@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Prints the path of a Python that has everything the project needs, installing what
+# is missing from the repo's own files. Logs go to stderr; only the path to stdout.
+#   1. $FA_PYTHON if set;
+#   2. python3 as it is, when it already satisfies the ranges (the GPU machine, which has
+#      no network: torch, triton and jax come with its image);
+#   3. otherwise a local .venv, installed from constraints-cpu.txt (what CI uses).
+# Either way the project itself is installed editable (fa_kernels lives in kernels/).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+satisfied() {
+  "$1" - <<'PY' 2>/dev/null
+import importlib.metadata as md, importlib.util, sys
+
+def version(name):
+    return tuple(int(x) for x in md.version(name).split("+")[0].split(".")[:2])
+
+ranges = {"torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 7)), "jax": ((0, 10), (0, 12)),
+          "jaxlib": ((0, 10), (0, 12)), "numpy": ((1, 26), (9, 0)), "pytest": ((8, 0), (99, 0)),
+          "pytest-xdist": ((3, 0), (99, 0)), "hypothesis": ((6, 0), (99, 0)), "flax": ((0, 10), (9, 0))}
+for name, (low, high) in ranges.items():
+    if not low <= version(name) < high:
+        sys.exit(1)
+import ctypes
+try:
+    gpu = ctypes.CDLL("libcuda.so.1").cuInit(0) == 0
+except OSError:
+    gpu = False
+if gpu:
+    if importlib.util.find_spec("jax_triton") is None:
+        sys.exit(1)
+elif version("numpy") >= (2, 4):  # the interpreter needs numpy < 2.4 (triton#9171)
+    sys.exit(1)
+PY
+}
+
+install_project() {
+  if ! "$1" -c "import fa_kernels, fa_torch, fa_jax" >/dev/null 2>&1 \
+     || [ "$("$1" -c 'import fa_kernels, os; print(os.path.dirname(os.path.dirname(fa_kernels.__file__)))' 2>/dev/null)" != "$root" ]; then
+    echo "env.sh: installing the project (editable) into $1" >&2
+    "$1" -m pip install -q --no-build-isolation --no-deps -e "$root" >&2
+  fi
+}
+
+if [ -n "${FA_PYTHON:-}" ]; then
+  py="$FA_PYTHON"
+elif command -v python3 >/dev/null && satisfied python3; then
+  py="$(command -v python3)"
+else
+  py="$root/.venv/bin/python"
+  if [ ! -x "$py" ] || ! satisfied "$py"; then
+    echo "env.sh: creating .venv and installing from constraints-cpu.txt" >&2
+    base="$(command -v python3.11 || command -v python3)"
+    [ -x "$py" ] || "$base" -m venv "$root/.venv" >&2
+    "$py" -m pip install -q -c constraints-cpu.txt setuptools wheel \
+      torch triton jax jaxlib jax-triton "numpy<2.4" pytest pytest-xdist hypothesis flax \
+      matplotlib tqdm 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    satisfied "$py" || { echo "env.sh: the install did not give the required packages" >&2; exit 1; }
+  fi
+fi
+install_project "$py"
+echo "$py"

@@ -1,0 +1,110 @@
+"""Shared test helpers: inputs, the flash-attn tolerance rule, the device."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import fa_kernels.runtime as runtime
+
+from .reference import attention_reference
+
+ON_GPU = not runtime.interpreting()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# The absolute floor under the relative rule: for fp32 the framework's own error is
+# ~1e-7 and summation order alone moves results by more than 2x of that.
+FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 2e-5}
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed=0,
+               device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_k, head_dim),
+              (batch, seqlen_k, heads_k, head_dim)]
+    return [torch.randn(s, generator=gen).to(TORCH_DTYPES[dtype]).to(device) for s in shapes]
+
+
+def max_err(a, b) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    diff = torch.where(both_inf, torch.zeros((), dtype=torch.float64), (a - b).abs())
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def assert_close_to_reference(name, ours, truth, framework, dtype, factor=2.0):
+    """flash-attn's rule: our error vs float64 at most ``factor`` x the error of the
+    same computation done plainly in ``dtype``, plus a tiny absolute floor."""
+    assert not torch.isnan(ours.double().cpu()).any(), f"{name}: NaN in output"
+    ours_err = max_err(ours, truth)
+    framework_err = max_err(framework, truth)
+    bound = factor * framework_err + FLOOR[dtype]
+    assert ours_err <= bound, (
+        f"{name}: max error {ours_err:.3g} vs float64 exceeds {factor} x framework "
+        f"{dtype} error {framework_err:.3g} + {FLOOR[dtype]:.0e}")
+
+
+def reference_grads(q, k, v, dout, causal, softmax_scale, compute_dtype):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attention_reference(*leaves, causal=causal, softmax_scale=softmax_scale,
+                                   compute_dtype=compute_dtype)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), lse.detach(), [x.grad for x in leaves]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """torch -> numpy, bf16 kept as ml_dtypes bfloat16 (for jax)."""
+    import ml_dtypes
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def from_numpy(a) -> torch.Tensor:
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def run_torch(q, k, v, dout, **options):
+    """fa_torch forward and backward: (out, lse, [dq, dk, dv])."""
+    import fa_torch
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fa_torch.attention(*leaves, return_lse=True, **options)
+    out.backward(dout)
+    return out.detach(), lse.detach(), [x.grad for x in leaves]
+
+
+def run_jax(q, k, v, dout, **options):
+    """fa_jax forward and backward under jit: (out, lse, [dq, dk, dv]) as torch tensors."""
+    import jax
+
+    import fa_jax
+
+    def fwd(q, k, v):
+        return fa_jax.attention(q, k, v, return_lse=True, **options)
+
+    (out, lse), vjp = jax.vjp(jax.jit(fwd), *(to_numpy(x) for x in (q, k, v)))
+    grads = vjp((to_numpy(dout), np.zeros(lse.shape, np.float32)))
+    return from_numpy(out), from_numpy(lse), [from_numpy(g) for g in grads]
+
+
+def check_against_reference(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
+                            dtype, causal, softmax_scale=None, seed=0):
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).to(q.device)
+    out, lse, grads = runner(q, k, v, dout, causal=causal, softmax_scale=softmax_scale)
+    t_out, t_lse, t_grads = reference_grads(q, k, v, dout, causal, softmax_scale, torch.float64)
+    f_out, f_lse, f_grads = reference_grads(q, k, v, dout, causal, softmax_scale, q.dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32
+    assert_close_to_reference("out", out, t_out, f_out, dtype)
+    assert_close_to_reference("lse", lse, t_lse, f_lse, dtype)
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(t_lse.cpu())), "lse -inf rows differ"
+    for name, g, t, f in zip(("dq", "dk", "dv"), grads, t_grads, f_grads):
+        assert g.shape == t.shape and g.dtype == q.dtype, name
+        assert_close_to_reference(name, g, t, f, dtype, factor=3.0)
