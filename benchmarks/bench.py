@@ -183,6 +183,8 @@ def shapes(quick):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--shape", action="append", default=[],
+                        help="B,S,Hq,Hk,D,causal (repeatable); replaces the default list")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +193,9 @@ def main():
     modes = args.modes.split(",")
     rows = []
     t_impls, j_impls = torch_impls(), jax_impls()
-    work = [(s, m) for s in shapes(args.quick) for m in modes]
+    chosen = [tuple(int(x) for x in spec.split(",")) for spec in args.shape]
+    chosen = [(b, s, s, hq, hk, d, bool(c)) for b, s, hq, hk, d, c in chosen] or shapes(args.quick)
+    work = [(s, m) for s in chosen for m in modes]
     for (b, sq, sk, hq, hk, d, causal), mode in tqdm(work, desc="bench", file=sys.stderr):
         shape = (b, sq, sk, hq, hk, d)
         result = {}
@@ -221,7 +225,7 @@ def render(rows, names, args):
     gpu = torch.cuda.get_device_name()
     lines = [f"# Benchmark results\n",
              f"{gpu}, {args.dtype}, {date}; torch {torch.__version__}. Command: "
-             f"`python benchmarks/bench.py {'--quick ' if args.quick else ''}--dtype {args.dtype}`.\n",
+             f"`python benchmarks/bench.py {' '.join(sys.argv[1:])}`.\n",
              "TFLOP/s (flash-attn convention: 4·B·H·S²·D forward, half when causal, "
              "fwd+bwd 3.5x); median of many runs after warm-up. `—`: the peer could not run it.\n"]
     header = "| B | S | Hq | Hk | D | causal | mode | " + " | ".join(names) + " | fa_torch / FA2 | fa_torch / cuDNN |"
