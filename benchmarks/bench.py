@@ -155,13 +155,13 @@ def run_jax_impl(fn, shape, dtype, causal, mode):
     v = jax.random.normal(keys[2], (batch, seqlen_k, heads_k, head_dim), jdtype)
     dout = jax.random.normal(keys[3], q.shape, jdtype)
     if mode == "fwd":
-        step = jax.jit(lambda q, k, v: fn(q, k, v, causal))
+        step = jax.jit(lambda q, k, v, dout: fn(q, k, v, causal))
     else:
-        def fwd_bwd(q, k, v):
+        def fwd_bwd(q, k, v, dout):  # dout an argument, not a constant XLA would fold
             out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, causal), q, k, v)
             return vjp(dout)
         step = jax.jit(fwd_bwd)
-    return bench_jax(step, (q, k, v)), float("nan")
+    return bench_jax(step, (q, k, v, dout)), float("nan")
 
 
 # ---------------------------------------------------------------------------------- main

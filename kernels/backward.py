@@ -18,7 +18,7 @@ and the one remaining factor, ``softmax_scale``, is applied to dK and dQ on the 
 import triton
 import triton.language as tl
 
-from .helpers import key_range, load_row_stats, load_tile, query_range, store_tile, visible
+from .helpers import aligned, key_range, load_row_stats, load_tile, query_range, store_tile, visible
 
 
 @triton.jit
@@ -30,7 +30,14 @@ def attention_backward_preprocess(
     stride_lb, stride_lh,
     Delta,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
 ):
+    stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
+    stride_om = aligned(stride_om, STRIDES_ALIGNED)
+    stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
+    stride_dob = aligned(stride_dob, STRIDES_ALIGNED)
+    stride_dom = aligned(stride_dom, STRIDES_ALIGNED)
+    stride_doh = aligned(stride_doh, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1).to(tl.int64)
     batch = tl.program_id(2).to(tl.int64)
@@ -85,7 +92,26 @@ def attention_backward_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
 ):
+    stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
+    stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
+    stride_qh = aligned(stride_qh, STRIDES_ALIGNED)
+    stride_kb = aligned(stride_kb, STRIDES_ALIGNED)
+    stride_kn = aligned(stride_kn, STRIDES_ALIGNED)
+    stride_kh = aligned(stride_kh, STRIDES_ALIGNED)
+    stride_vb = aligned(stride_vb, STRIDES_ALIGNED)
+    stride_vn = aligned(stride_vn, STRIDES_ALIGNED)
+    stride_vh = aligned(stride_vh, STRIDES_ALIGNED)
+    stride_dob = aligned(stride_dob, STRIDES_ALIGNED)
+    stride_dom = aligned(stride_dom, STRIDES_ALIGNED)
+    stride_doh = aligned(stride_doh, STRIDES_ALIGNED)
+    stride_dkb = aligned(stride_dkb, STRIDES_ALIGNED)
+    stride_dkn = aligned(stride_dkn, STRIDES_ALIGNED)
+    stride_dkh = aligned(stride_dkh, STRIDES_ALIGNED)
+    stride_dvb = aligned(stride_dvb, STRIDES_ALIGNED)
+    stride_dvn = aligned(stride_dvn, STRIDES_ALIGNED)
+    stride_dvh = aligned(stride_dvh, STRIDES_ALIGNED)
     start_n = tl.program_id(0) * BLOCK_N
     head_k = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -161,7 +187,23 @@ def attention_backward_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
 ):
+    stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
+    stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
+    stride_qh = aligned(stride_qh, STRIDES_ALIGNED)
+    stride_kb = aligned(stride_kb, STRIDES_ALIGNED)
+    stride_kn = aligned(stride_kn, STRIDES_ALIGNED)
+    stride_kh = aligned(stride_kh, STRIDES_ALIGNED)
+    stride_vb = aligned(stride_vb, STRIDES_ALIGNED)
+    stride_vn = aligned(stride_vn, STRIDES_ALIGNED)
+    stride_vh = aligned(stride_vh, STRIDES_ALIGNED)
+    stride_dob = aligned(stride_dob, STRIDES_ALIGNED)
+    stride_dom = aligned(stride_dom, STRIDES_ALIGNED)
+    stride_doh = aligned(stride_doh, STRIDES_ALIGNED)
+    stride_dqb = aligned(stride_dqb, STRIDES_ALIGNED)
+    stride_dqm = aligned(stride_dqm, STRIDES_ALIGNED)
+    stride_dqh = aligned(stride_dqh, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)

@@ -9,7 +9,7 @@ diagonal or the end of the sequence are masked.
 import triton
 import triton.language as tl
 
-from .helpers import LN2, key_range, load_tile, softmax_step, store_tile, visible
+from .helpers import aligned, LN2, key_range, load_tile, softmax_step, store_tile, visible
 
 
 @triton.jit
@@ -45,7 +45,20 @@ def attention_forward(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
 ):
+    stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
+    stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
+    stride_qh = aligned(stride_qh, STRIDES_ALIGNED)
+    stride_kb = aligned(stride_kb, STRIDES_ALIGNED)
+    stride_kn = aligned(stride_kn, STRIDES_ALIGNED)
+    stride_kh = aligned(stride_kh, STRIDES_ALIGNED)
+    stride_vb = aligned(stride_vb, STRIDES_ALIGNED)
+    stride_vn = aligned(stride_vn, STRIDES_ALIGNED)
+    stride_vh = aligned(stride_vh, STRIDES_ALIGNED)
+    stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
+    stride_om = aligned(stride_om, STRIDES_ALIGNED)
+    stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)

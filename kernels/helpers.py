@@ -16,6 +16,19 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def aligned(stride, STRIDES_ALIGNED: tl.constexpr):
+    """Tell the compiler a stride is a multiple of 16 elements when the plan knows it.
+
+    torch's launcher infers that from the values; jax_triton does not for scalar
+    arguments, and without it tile loads are not vectorised (3-4x slower). The plan
+    sets the flag for both front ends alike, so both compile the same kernel.
+    """
+    if STRIDES_ALIGNED:
+        stride = tl.multiple_of(stride, 16)
+    return stride
+
+
+@triton.jit
 def load_tile(base, offs_row, offs_d, stride_row, num_rows,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """A (rows, BLOCK_D) tile; rows >= num_rows and columns >= HEAD_DIM read as 0."""

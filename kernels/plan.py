@@ -215,6 +215,11 @@ def _bsh(strides: Shape) -> tuple[int, int, int]:
     return strides[0], strides[1], strides[2]
 
 
+def _aligned(*strides: Shape) -> bool:
+    """All (batch, seq, head) strides multiples of 16 elements (see helpers.aligned)."""
+    return all(s % 16 == 0 for st in strides for s in st[:3])
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -244,7 +249,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         outputs=(Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32")),
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, GROUP_SIZE=p.group_size, IS_CAUSAL=p.causal,
-                        DOT_PRECISION=p.dot_precision),
+                        DOT_PRECISION=p.dot_precision,
+                        STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -278,7 +284,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         inputs=("out", "dout", "dlse"),
         scalars=(p.seqlen_q, *_bsh(o_st), *_bsh(do_st), l_st[0], l_st[1]),
         outputs=(Output("delta", p.lse_shape, "float32"),),
-        constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=pre.block_m),
+        constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=pre.block_m,
+                        STRIDES_ALIGNED=_aligned(o_st, do_st)),
         num_warps=pre.num_warps,
         num_stages=pre.num_stages,
     )
@@ -290,7 +297,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     def constexprs(cfg):
         return dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
                     BLOCK_N=cfg.block_n, GROUP_SIZE=p.group_size, IS_CAUSAL=p.causal,
-                    DOT_PRECISION=p.dot_precision)
+                    DOT_PRECISION=p.dot_precision,
+                    STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, do_st, dq_st, dkv_st))
 
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
     dkdv = Launch(
