@@ -6,6 +6,6 @@ interpreter on before triton is imported).
 """
 import fa_kernels  # noqa: F401  (decides interpreter vs compiled before triton loads)
 
-from .ops import attention
+from .ops import attention, attention_varlen, dropout_mask
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen", "dropout_mask"]

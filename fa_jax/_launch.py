@@ -52,10 +52,16 @@ def _scalar(value):
     return value
 
 
+def placeholder():
+    """What stands in for an input the problem does not use (its flag is off)."""
+    return jnp.zeros((1,), jnp.float32)
+
+
 def run(launch, arrays: dict) -> dict:
     """Launch one plan step on jax arrays; return its outputs by name (adds to ``arrays``)."""
     shapes = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
-    inputs = [arrays[name] for name in launch.inputs]
+    inputs = [arrays[name] if arrays.get(name) is not None else placeholder()
+              for name in launch.inputs]
     if launch.empty:
         results = [jnp.zeros(s.shape, s.dtype) for s in shapes]
     elif on_gpu():
@@ -64,7 +70,9 @@ def run(launch, arrays: dict) -> dict:
         results = _jax_triton().triton_call(
             *inputs, *(_scalar(s) for s in launch.scalars),
             kernel=fa_kernels.kernel(launch.kernel), out_shape=shapes, grid=launch.grid,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs)
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
+            zeroed_outputs=[i for i, o in enumerate(launch.outputs) if o.zeroed],
+            **launch.constexprs)
     else:
         results = jax.pure_callback(functools.partial(_run_on_host, launch), shapes, *inputs)
     outputs = {o.name: r for o, r in zip(launch.outputs, results)}

@@ -1,12 +1,14 @@
 """fa_jax.attention: a ``jax.custom_vjp`` over the shared Triton kernels.
 
 The forward and the backward are each one ``custom_vmap`` function (jax_triton's
-primitive refuses vmap): its rule folds the mapped axis into the batch axis and calls
-the kernels once, so ``vmap`` (nested too) costs one launch per step.
+primitive refuses vmap). Its rule folds the mapped axis into the batch axis and
+calls the kernels once; where that would change the meaning (a mapped dropout seed,
+packed varlen inputs) it maps sequentially instead.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +18,34 @@ from fa_kernels import plan as fa_plan
 
 from . import _launch
 
+ARRAY_NAMES = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The static (hashable) part of a call: one compiled op per distinct value."""
+    causal: bool
+    softmax_scale: float
+    window_size: tuple
+    softcap: float
+    dropout_p: float
+    has_bias: bool
+    has_alibi: bool
+    varlen: bool
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
 
 def _dtype_name(x) -> str:
     return jnp.dtype(x.dtype).name
 
 
-def _check_arrays(q, k, v) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def _check_arrays(named: dict) -> None:
+    for name, x in named.items():
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be a jax or numpy array; got {type(x).__name__}")
     wanted = ("gpu", "cuda", "rocm") if _launch.on_gpu() else ("cpu",)
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in named.items():
         if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
             platforms = {d.platform for d in x.devices()}
             if not platforms <= set(wanted):
@@ -36,77 +55,238 @@ def _check_arrays(q, k, v) -> None:
                     f"{where} in this process; move the array there")
 
 
-def problem_of(q, k, v, causal, softmax_scale) -> fa_plan.AttentionProblem:
-    _check_arrays(q, k, v)
-    return fa_plan.check_problem(q.shape, k.shape, v.shape, _dtype_name(q), _dtype_name(k),
-                                 _dtype_name(v), causal=causal, softmax_scale=softmax_scale)
+def problem_of(arrays: dict, options: Options) -> fa_plan.AttentionProblem:
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    bias = arrays.get("bias") if options.has_bias else None
+    slopes = arrays.get("slopes") if options.has_alibi else None
+    varlen = None
+    if options.varlen:
+        cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
+        varlen = dict(cu_seqlens_q_shape=cu_q.shape, cu_seqlens_k_shape=cu_k.shape,
+                      cu_seqlens_q_dtype=_dtype_name(cu_q), cu_seqlens_k_dtype=_dtype_name(cu_k),
+                      max_seqlen_q=options.max_seqlen_q, max_seqlen_k=options.max_seqlen_k)
+    return fa_plan.check_problem(
+        q.shape, k.shape, v.shape, _dtype_name(q), _dtype_name(k), _dtype_name(v),
+        causal=options.causal, softmax_scale=options.softmax_scale,
+        window_size=options.window_size, softcap=options.softcap, dropout_p=options.dropout_p,
+        bias_shape=None if bias is None else bias.shape,
+        bias_dtype=None if bias is None else _dtype_name(bias),
+        alibi_shape=None if slopes is None else slopes.shape,
+        alibi_dtype=None if slopes is None else _dtype_name(slopes), varlen=varlen)
 
 
-def _fold_batch(fn):
-    """custom_vmap rule: move every mapped axis into the batch axis (axis 0)."""
+# --------------------------------------------------------------------------- vmap rules
+
+
+def _batch_rule(fn, kinds, options: Options):
+    """A custom_vmap rule for ``fn`` whose arguments are of the given kinds.
+
+    * "batch": a leading batch axis; the mapped axis folds into it.
+    * "batchable": bias (4-D) or ALiBi slopes: folded by broadcasting their batch
+      axis to the problem's batch first (kept as is when unmapped and unbatched).
+    * "fixed": seed, cu_seqlens, placeholders: must be the same for every mapped
+      element, else (and for varlen) the map runs sequentially.
+    """
 
     def rule(axis_size, in_batched, *args):
+        sequential = options.varlen or any(
+            b and kind == "fixed" for b, kind in zip(in_batched, kinds))
+        if sequential:
+            def one(mapped):
+                it = iter(mapped)
+                return fn(*(next(it) if b else x for x, b in zip(args, in_batched)))
+            outs = jax.lax.map(one, tuple(x for x, b in zip(args, in_batched) if b))
+            return outs, tuple(True for _ in outs)
+        q_batched = in_batched[0]
+        batch = args[0].shape[1] if q_batched else args[0].shape[0]
         folded = []
-        for x, batched in zip(args, in_batched):
-            if not batched:
-                x = jnp.broadcast_to(x, (axis_size, *x.shape))
-            folded.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
+        for x, b, kind in zip(args, in_batched, kinds):
+            if kind == "batch":
+                x = x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                x = x.reshape(axis_size * x.shape[1], *x.shape[2:])
+            elif kind == "batchable":
+                element = x.shape[1:] if b else x.shape
+                has_batch_axis = len(element) >= 2  # (B, Hq) slopes, (B, H, Sq, Sk) bias
+                if b or (has_batch_axis and element[0] != 1):
+                    rest = element[1:] if has_batch_axis else element
+                    x = x if b else x[None]
+                    if not has_batch_axis:
+                        x = x[:, None]
+                    x = jnp.broadcast_to(x, (axis_size, batch, *rest))
+                    x = x.reshape(axis_size * batch, *rest)
+            folded.append(x)
         outs = fn(*folded)
         outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
         return outs, tuple(True for _ in outs)
 
-    fn.def_vmap(rule)
-    return fn
+    return rule
+
+
+def _kinds(names, options: Options):
+    row_kind = "fixed" if options.varlen else "batch"
+    table = {"bias": "batchable", "slopes": "batchable", "seed": "fixed",
+             "cu_seqlens_q": "fixed", "cu_seqlens_k": "fixed"}
+    return tuple(table.get(n, row_kind) for n in names)
+
+
+# ------------------------------------------------------------------------------- the ops
 
 
 @functools.lru_cache(maxsize=None)
-def forward_op(causal: bool, softmax_scale: float):
-    """(q, k, v) -> (out, lse) for fixed options."""
+def forward_op(options: Options):
+    """(q, k, v, bias, slopes, seed, cu_seqlens_q, cu_seqlens_k) -> (out, lse)."""
 
     @jax.custom_batching.custom_vmap
-    def forward(q, k, v):
-        problem = problem_of(q, k, v, causal, softmax_scale)
+    def forward(*args):
+        arrays = dict(zip(ARRAY_NAMES, args))
+        problem = problem_of(arrays, options)
         fwd = fa_plan.forward_plan(problem, capability=_launch.capability())
-        outputs = _launch.run(fwd.launch, {"q": q, "k": k, "v": v})
+        outputs = _launch.run(fwd.launch, _present(arrays, options))
         return outputs["out"], outputs["lse"]
 
-    return _fold_batch(forward)
+    forward.def_vmap(_batch_rule(forward, _kinds(ARRAY_NAMES, options), options))
+    return forward
+
+
+BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "dout", "dlse")
 
 
 @functools.lru_cache(maxsize=None)
-def backward_op(causal: bool, softmax_scale: float):
-    """(q, k, v, out, lse, dout, dlse) -> (dq, dk, dv) for fixed options."""
+def backward_op(options: Options):
+    """(... the forward's arrays, out, lse, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
 
     @jax.custom_batching.custom_vmap
-    def backward(q, k, v, out, lse, dout, dlse):
-        problem = problem_of(q, k, v, causal, softmax_scale)
-        bwd = fa_plan.backward_plan(problem, capability=_launch.capability())
-        arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
-                  "dout": dout.astype(out.dtype), "dlse": dlse.astype(jnp.float32)}
+    def backward(*args):
+        arrays = dict(zip(BACKWARD_NAMES, args))
+        problem = problem_of(arrays, options)
+        bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
+                                    bias_grad=options.has_bias)
+        arrays = _present(arrays, options)
+        arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
+        arrays["dlse"] = arrays["dlse"].astype(jnp.float32)
         for launch in bwd.launches:
             _launch.run(launch, arrays)
-        return arrays["dq"], arrays["dk"], arrays["dv"]
+        grads = (arrays["dq"], arrays["dk"], arrays["dv"])
+        return grads + ((arrays["dbias"],) if options.has_bias else ())
 
-    return _fold_batch(backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, causal, softmax_scale):
-    return forward_op(causal, softmax_scale)(q, k, v)
+    backward.def_vmap(_batch_rule(backward, _kinds(BACKWARD_NAMES, options), options))
+    return backward
 
 
-def _attention_fwd(q, k, v, causal, softmax_scale):
-    out, lse = forward_op(causal, softmax_scale)(q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+def _present(arrays: dict, options: Options) -> dict:
+    """Drop the placeholders of unused inputs (the launcher passes its own)."""
+    arrays = dict(arrays)
+    if not options.has_bias:
+        arrays["bias"] = None
+    if not options.has_alibi:
+        arrays["slopes"] = None
+    if options.dropout_p == 0:
+        arrays["seed"] = None
+    if not options.varlen:
+        arrays["cu_seqlens_q"] = arrays["cu_seqlens_k"] = None
+    return arrays
 
 
-def _attention_bwd(causal, softmax_scale, residuals, cotangents):
-    q, k, v, out, lse = residuals
-    dout, dlse = cotangents
-    return backward_op(causal, softmax_scale)(q, k, v, out, lse, dout, dlse)
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return np.zeros(x.shape, dtype=jax.dtypes.float0)
+    return jnp.zeros_like(x)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+@functools.lru_cache(maxsize=None)
+def _differentiable(options: Options):
+    @jax.custom_vjp
+    def attend(*args):
+        return forward_op(options)(*args)
+
+    def attend_fwd(*args):
+        out, lse = forward_op(options)(*args)
+        return (out, lse), (args, out, lse)
+
+    def attend_bwd(residuals, cotangents):
+        args, out, lse = residuals
+        dout, dlse = cotangents
+        grads = backward_op(options)(*args, out, lse, dout, dlse)
+        dq, dk, dv = grads[:3]
+        cotangent = [dq, dk, dv] + [_zero_cotangent(x) for x in args[3:]]
+        if options.has_bias:
+            bias = args[3]
+            problem = problem_of(dict(zip(ARRAY_NAMES, args)), options)
+            dbias = jnp.sum(grads[3], axis=problem.bias_reduce_axes, keepdims=True)
+            cotangent[3] = dbias.reshape(bias.shape).astype(bias.dtype)
+        return tuple(cotangent)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def dropout_seed_array(dropout_seed):
+    """The seed as the kernels take it: (2,) int32, low and high 32 bits.
+
+    An int (< 2**64), a uint32/int32 scalar array (traced is fine) or a PRNG key
+    (typed, or a legacy uint32 (2,) key, from which two words are drawn).
+    """
+    if dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed in fa_jax: an int, a uint32 array "
+                         "or a PRNG key (jax has no global random state)")
+    if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed, bool):
+        seed = int(dropout_seed)
+        if not 0 <= seed < 2 ** 64:
+            raise ValueError(f"dropout_seed must be in [0, 2**64); got {seed}")
+        words = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
+        return jnp.asarray(words.view(np.int32))
+    if not hasattr(dropout_seed, "dtype"):
+        raise TypeError(f"dropout_seed must be an int, an integer array or a PRNG key; got "
+                        f"{type(dropout_seed).__name__}")
+    seed = jnp.asarray(dropout_seed)
+    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) or (
+            seed.dtype == jnp.uint32 and seed.shape == (2,)):
+        words = jax.random.bits(seed, (2,), jnp.uint32)
+        return jax.lax.bitcast_convert_type(words, jnp.int32)
+    if not jnp.issubdtype(seed.dtype, jnp.integer) or seed.shape != ():
+        raise TypeError(f"dropout_seed array must be an integer scalar or a PRNG key; got "
+                        f"{seed.dtype} of shape {seed.shape}")
+    low = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+    return jnp.stack([low, jnp.zeros((), jnp.int32)])
+
+
+def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
+          softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
+          return_lse):
+    named = {"q": q, "k": k, "v": v}
+    for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
+                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if x is not None:
+            named[name] = x
+    _check_arrays(named)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")
+    varlen = cu_seqlens_q is not None
+    probe = Options(causal, softmax_scale, window_size, softcap, dropout_p, bias is not None,
+                    alibi_slopes is not None, varlen, max_seqlen_q, max_seqlen_k)
+    arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes,
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    problem = problem_of(arrays, probe)  # validates everything before any launch
+    if varlen:
+        for name, total in (("cu_seqlens_q", problem.total_q), ("cu_seqlens_k", problem.total_k)):
+            values = arrays[name]
+            if not isinstance(values, jax.core.Tracer):
+                fa_plan.check_cu_seqlens(name, np.asarray(values).tolist(), total)
+    options = Options(problem.causal, problem.softmax_scale, tuple(int(w) for w in window_size),
+                      problem.softcap, problem.dropout_p, bias is not None,
+                      alibi_slopes is not None, varlen, problem.seqlen_q if varlen else 0,
+                      problem.seqlen_k if varlen else 0)
+    seed = dropout_seed_array(dropout_seed) if problem.dropout_p > 0 else None
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    args = [jnp.asarray(x) if x is not None else _launch.placeholder()
+            for x in (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)]
+    out, lse = _differentiable(options)(*args)
+    return (out, lse) if return_lse else out
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -117,13 +297,38 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     q ``(batch, seqlen_q, heads_q, head_dim)``, k and v ``(batch, seqlen_k, heads_k,
     head_dim)``, ``heads_q % heads_k == 0``; fp16, bf16 or fp32. Works under ``jit``,
-    ``grad`` and ``vmap``. Returns ``out``, or ``(out, lse)`` with ``return_lse`` (lse
-    ``(batch, heads_q, seqlen_q)`` fp32, natural log, -inf for a row with no key;
-    differentiable). The backward never uses atomics: it is always deterministic.
+    ``grad`` and ``vmap``. Options as in fa_torch: ``bias`` (broadcastable to
+    (B, Hq, Sq, Sk), differentiable), ``alibi_slopes`` ((Hq,) or (B, Hq) fp32),
+    ``window_size`` (left, right; -1 unbounded), ``softcap``, ``dropout_p`` with
+    ``dropout_seed`` (an int, a uint32 array, possibly traced, or a PRNG key; required).
+    Returns ``out``, or ``(out, lse)`` with ``return_lse`` (lse ``(batch, heads_q,
+    seqlen_q)`` fp32, natural log, -inf for a row with no key; differentiable). The
+    backward never uses atomics: it is always deterministic.
     """
-    fa_plan.check_unbuilt(bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
-                   softcap=softcap, dropout_p=dropout_p)
-    problem = problem_of(q, k, v, causal, softmax_scale)
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    out, lse = _attention(q, k, v, problem.causal, problem.softmax_scale)
-    return (out, lse) if return_lse else out
+    return _call(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
+                 bias=bias, alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     *, causal: bool = False, softmax_scale: float | None = None,
+                     alibi_slopes=None, window_size: tuple[int, int] = (-1, -1),
+                     softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
+                     return_lse: bool = False, deterministic: bool = False, bias=None):
+    """Attention over packed sequences: q ``(total_q, heads_q, head_dim)``, k and v
+    ``(total_k, heads_k, head_dim)``, int32 ``cu_seqlens`` of shape (batch + 1,).
+    ``max_seqlen_*`` are static Python ints that bound the lengths. Concrete cu_seqlens
+    are checked; traced ones are trusted. lse is ``(heads_q, total_q)``."""
+    return _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                 softmax_scale=softmax_scale, bias=bias, alibi_slopes=alibi_slopes,
+                 window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+                 dropout_seed=dropout_seed, return_lse=return_lse)
+
+
+def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                 dropout_p: float):
+    """The keep mask ``(batch, heads, seqlen_q, seqlen_k)`` bool that attention with this
+    seed and dropout_p applies (for tests and debugging)."""
+    launch = fa_plan.dropout_mask_plan(batch, heads, seqlen_q, seqlen_k, dropout_p,
+                                       capability=_launch.capability())
+    return _launch.run(launch, {"seed": dropout_seed_array(dropout_seed)})["mask"].astype(bool)

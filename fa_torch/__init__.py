@@ -5,6 +5,16 @@ Importing this on a machine without a CUDA GPU turns on Triton's interpreter
 """
 import fa_kernels  # noqa: F401  (decides interpreter vs compiled before triton loads)
 
-from .ops import attention
+from .flash_attn_interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from .ops import attention, attention_varlen, dropout_mask
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen", "dropout_mask", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]

@@ -12,10 +12,12 @@ import torch
 import fa_kernels
 from fa_kernels import runtime
 
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "int8": torch.int8, "int32": torch.int32}
 
 # The interpreter patches triton.language globally while a kernel runs.
 _INTERPRETER_LOCK = threading.Lock()
+_PLACEHOLDERS: dict = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -29,19 +31,30 @@ def capability(device: torch.device):
     return torch.cuda.get_device_capability(device)
 
 
+def placeholder(device: torch.device) -> torch.Tensor:
+    """What stands in for an input the problem does not use (its flag is off)."""
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[key]
+
+
 def run(launch, arrays: dict, device: torch.device) -> dict:
     """Allocate the launch's outputs, launch it, return them by name (adds to ``arrays``)."""
-    outputs = {o.name: torch.empty(o.shape, dtype=TORCH_DTYPES[o.dtype], device=device)
-               for o in launch.outputs}
+    outputs = {o.name: (torch.zeros if o.zeroed else torch.empty)(
+        o.shape, dtype=TORCH_DTYPES[o.dtype], device=device) for o in launch.outputs}
     if not launch.empty:
-        args = [arrays[name] for name in launch.inputs] + list(launch.scalars) + list(outputs.values())
+        args = [arrays[name] if arrays.get(name) is not None else placeholder(device)
+                for name in launch.inputs]
+        args += list(launch.scalars) + list(outputs.values())
         kernel = fa_kernels.kernel(launch.kernel)[launch.grid]
+        options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
+                       **launch.constexprs)
         if runtime.interpreting():
             with _INTERPRETER_LOCK:
-                kernel(*args, num_warps=launch.num_warps, num_stages=launch.num_stages,
-                       **launch.constexprs)
+                kernel(*args, **options)
         else:
-            kernel(*args, num_warps=launch.num_warps, num_stages=launch.num_stages,
-                   **launch.constexprs)
+            with torch.cuda.device(device):
+                kernel(*args, **options)
     arrays.update(outputs)
     return outputs

@@ -1,6 +1,6 @@
 """fa_torch.attention: torch.library custom ops (forward, backward) with autograd.
 
-Registered with ``torch.library.custom_op`` with a fake (meta) implementation, so
+Registered with ``torch.library.custom_op`` with fake (meta) implementations, so
 ``torch.compile(fullgraph=True)`` keeps the call in its graph; the autograd formula
 is registered on the op, so eager and compiled code share one backward.
 """
@@ -17,117 +17,215 @@ from fa_kernels import runtime
 from . import _launch
 
 
-def _check_tensors(q, k, v) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def _check_tensors(named: dict) -> torch.device:
+    for name, x in named.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-    if not (q.device == k.device == v.device):
+    q = named["q"]
+    for name, x in named.items():
+        if x.device != q.device:
+            raise ValueError(f"q, k, v and the other tensor arguments must be on the same "
+                             f"device; got q {q.device}, {name} {x.device}")
+    if q.device.type == "cpu" and not runtime.interpreting():
         raise ValueError(
-            f"q, k and v must be on the same device; got q {q.device}, k {k.device}, v {v.device}")
-    if q.device.type == "cuda":
-        if runtime.interpreting():
-            return  # the interpreter copies CUDA tensors to the host and back: slow but right
-    elif q.device.type == "cpu":
-        if not runtime.interpreting():
-            raise ValueError(
-                "q is a CPU tensor, but the kernels are compiled for the GPU here; move the "
-                "tensors to CUDA, or set TRITON_INTERPRET=1 before importing fa_torch to run "
-                "them in Triton's interpreter")
-    else:
+            "q is a CPU tensor, but the kernels are compiled for the GPU here; move the "
+            "tensors to CUDA, or set TRITON_INTERPRET=1 before importing fa_torch to run "
+            "them in Triton's interpreter")
+    if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q is on device {q.device}; expected a CUDA device or the CPU")
+    return q.device
 
 
-def _unit_last_stride(x: Tensor) -> Tensor:
+def _unit_last_stride(x: Optional[Tensor]) -> Optional[Tensor]:
     """The kernels index the head dim with stride 1; other strides are used in place."""
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+    if x is None or x.stride(-1) == 1 or x.shape[-1] == 1:
+        return x
+    return x.contiguous()
 
 
-def problem_of(q: Tensor, k: Tensor, v: Tensor, causal, softmax_scale) -> fa_plan.AttentionProblem:
+def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+               max_seqlen_q=0, max_seqlen_k=0, causal=False, softmax_scale=None,
+               window_size=(-1, -1), softcap=0.0, dropout_p=0.0) -> fa_plan.AttentionProblem:
     """Validate torch inputs and options (raises before any launch)."""
-    _check_tensors(q, k, v)
-    return fa_plan.check_problem(q.shape, k.shape, v.shape, _launch.dtype_name(q.dtype),
-                                 _launch.dtype_name(k.dtype), _launch.dtype_name(v.dtype),
-                                 causal=causal, softmax_scale=softmax_scale)
+    named = {"q": q, "k": k, "v": v}
+    for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
+                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if x is not None:
+            named[name] = x
+    _check_tensors(named)
+    name = _launch.dtype_name
+    varlen = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")
+        varlen = dict(cu_seqlens_q_shape=cu_seqlens_q.shape, cu_seqlens_k_shape=cu_seqlens_k.shape,
+                      cu_seqlens_q_dtype=name(cu_seqlens_q.dtype),
+                      cu_seqlens_k_dtype=name(cu_seqlens_k.dtype),
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return fa_plan.check_problem(
+        q.shape, k.shape, v.shape, name(q.dtype), name(k.dtype), name(v.dtype),
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        dropout_p=dropout_p,
+        bias_shape=None if bias is None else bias.shape,
+        bias_dtype=None if bias is None else name(bias.dtype),
+        alibi_shape=None if alibi_slopes is None else alibi_slopes.shape,
+        alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype),
+        varlen=varlen)
+
+
+def _bias_strides(bias: Optional[Tensor]):
+    if bias is None:
+        return None
+    return (0,) * (4 - bias.dim()) + tuple(bias.stride())
 
 
 @torch.library.custom_op("fa_torch::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                      softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """(out, lse) of softmax attention; shapes (B, Sq, Hq, D) and (B, Hq, Sq) fp32."""
-    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
-    problem = problem_of(q, k, v, causal, softmax_scale)
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                      alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
+                      cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                      max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                      window_left: int, window_right: int, softcap: float,
+                      dropout_p: float) -> tuple[Tensor, Tensor]:
+    """(out, lse); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen)."""
+    q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
+    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
+                         softcap, dropout_p)
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
-                               q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride())
-    arrays = {"q": q, "k": k, "v": v}
-    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
-        out = _launch.run(fwd.launch, arrays, q.device)
+                               q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
+                               bias_strides=_bias_strides(bias))
+    arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes, "seed": seed,
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    out = _launch.run(fwd.launch, arrays, q.device)
     return out["out"], out["lse"]
 
 
 @attention_forward.register_fake
-def _(q, k, v, causal, softmax_scale):
-    problem = problem_of(q, k, v, causal, softmax_scale)
-    return (q.new_empty(problem.out_shape),
-            q.new_empty(problem.lse_shape, dtype=torch.float32))
+def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, window_left, window_right, softcap, dropout_p):
+    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
+                         softcap, dropout_p)
+    return q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("fa_torch::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       dlse: Optional[Tensor], causal: bool,
-                       softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) given dout (and dlse, the gradient of the LSE, when it has one)."""
-    q, k, v, out, dout = (_unit_last_stride(x) for x in (q, k, v, out, dout))
-    problem = problem_of(q, k, v, causal, softmax_scale)
+                       dlse: Optional[Tensor], bias: Optional[Tensor],
+                       alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
+                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                       window_left: int, window_right: int, softcap: float, dropout_p: float,
+                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty."""
+    q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
+    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
+                         softcap, dropout_p)
     bwd = fa_plan.backward_plan(problem, capability=_launch.capability(q.device),
                                 q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
-                                out_strides=out.stride(), dout_strides=dout.stride())
+                                out_strides=out.stride(), dout_strides=dout.stride(),
+                                bias_strides=_bias_strides(bias), bias_grad=bias_grad)
     if dlse is None:
         dlse = torch.zeros(problem.lse_shape, dtype=torch.float32, device=q.device)
-    arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout,
-              "lse": lse.contiguous(), "dlse": dlse.to(torch.float32).contiguous()}
-    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
-        for launch in bwd.launches:
-            _launch.run(launch, arrays, q.device)
-    return arrays["dq"], arrays["dk"], arrays["dv"]
+    arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
+              "dlse": dlse.to(torch.float32).contiguous(), "bias": bias, "slopes": alibi_slopes,
+              "seed": seed, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    for launch in bwd.launches:
+        _launch.run(launch, arrays, q.device)
+    if bias_grad and bias is not None:
+        dbias = arrays["dbias"]
+        if problem.bias_reduce_axes:  # (sum over dim=() would sum over everything)
+            dbias = dbias.sum(dim=problem.bias_reduce_axes, keepdim=True)
+        dbias = dbias.reshape(bias.shape).to(bias.dtype)
+    else:
+        dbias = q.new_empty(0)
+    return arrays["dq"], arrays["dk"], arrays["dv"], dbias
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+      dropout_p, bias_grad):
+    dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+_OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left",
+                 "window_right", "softcap", "dropout_p")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = inputs[:8]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal = causal
-    ctx.softmax_scale = softmax_scale
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = inputs[8:]
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, dlse, bias, alibi_slopes,
+                                           seed, cu_seqlens_q, cu_seqlens_k, *ctx.options,
+                                           bias_grad)
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (4 + len(_OPTION_NAMES))
 
 
 torch.library.register_autograd("fa_torch::attention_forward", _backward,
                                 setup_context=_setup_context)
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
+def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
+    """The seed as the kernels take it: (2,) int32, low and high 32 bits.
 
-    def __exit__(self, *exc):
-        return False
+    None draws one from torch's default generator (so ``torch.manual_seed`` makes runs
+    repeatable); an int is used as is; a tensor of 1 or 2 integers also.
+    """
+    if dropout_seed is None:
+        halves = torch.randint(-2 ** 31, 2 ** 31, (2,), dtype=torch.int64)
+    elif isinstance(dropout_seed, torch.Tensor):
+        if dropout_seed.dtype.is_floating_point or dropout_seed.numel() not in (1, 2):
+            raise TypeError(f"dropout_seed tensor must hold 1 or 2 integers; got "
+                            f"{dropout_seed.dtype} of shape {tuple(dropout_seed.shape)}")
+        halves = dropout_seed.reshape(-1).to(torch.int64)
+        if halves.numel() == 1:
+            return dropout_seed_tensor(int(halves[0]), device)
+        halves = (halves & 0xFFFFFFFF)
+        halves = torch.where(halves >= 2 ** 31, halves - 2 ** 32, halves)
+    elif isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool):
+        if not 0 <= dropout_seed < 2 ** 64:
+            raise ValueError(f"dropout_seed must be in [0, 2**64); got {dropout_seed}")
+        words = [dropout_seed & 0xFFFFFFFF, dropout_seed >> 32]
+        halves = torch.tensor([w - 2 ** 32 if w >= 2 ** 31 else w for w in words])
+    else:
+        raise TypeError(f"dropout_seed must be None, an int or an integer tensor; got "
+                        f"{type(dropout_seed).__name__}")
+    return halves.to(torch.int32).to(device)
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
+               softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
+               return_lse):
+    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, causal, softmax_scale, window_size, softcap, dropout_p)
+    if problem.varlen and not (cu_seqlens_q.is_cuda or cu_seqlens_k.is_cuda):
+        fa_plan.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), problem.total_q)
+        fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), problem.total_k)
+    seed = dropout_seed_tensor(dropout_seed, q.device) if problem.dropout_p > 0 else None
+    out, lse = attention_forward(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
+                                 problem.seqlen_q if problem.varlen else 0,
+                                 problem.seqlen_k if problem.varlen else 0, problem.causal,
+                                 problem.softmax_scale, window_size[0], window_size[1],
+                                 problem.softcap, problem.dropout_p)
+    return (out, lse) if return_lse else out
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, bias: Tensor | None = None,
               alibi_slopes: Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed: int | None = None,
+              softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
               return_lse: bool = False, deterministic: bool = False):
     """Softmax attention with the FlashAttention-2 kernels.
 
@@ -137,6 +235,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             CUDA (or CPU, in Triton's interpreter). head_dim <= 256, any value.
         causal: bottom-right aligned causal mask: row i sees keys j <= i + seqlen_k - seqlen_q.
         softmax_scale: scale of q·k; None means head_dim ** -0.5; 0.0 is legal.
+        bias: additive, broadcastable to ``(batch, heads_q, seqlen_q, seqlen_k)``, any
+            float dtype; gets a gradient (summed over broadcast dims) when it requires one.
+        alibi_slopes: ``(heads_q,)`` or ``(batch, heads_q)`` fp32: adds
+            ``-slope * |i + seqlen_k - seqlen_q - j|``.
+        window_size: ``(left, right)``: row i sees keys in
+            ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 is unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` before softmax.
+        dropout_p, dropout_seed: dropout on the attention probabilities; the mask is a pure
+            function of (seed, batch, head, i, j). None draws the seed from torch's generator.
         return_lse: also return the log-sum-exp ``(batch, heads_q, seqlen_q)`` fp32
             (natural log; -inf for a row that sees no key). It is differentiable.
         deterministic: accepted for flash-attn compatibility; the backward never uses
@@ -144,8 +251,41 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse``.
     """
-    fa_plan.check_unbuilt(bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
-                   softcap=softcap, dropout_p=dropout_p)
-    problem = problem_of(q, k, v, causal, softmax_scale)
-    out, lse = attention_forward(q, k, v, problem.causal, problem.softmax_scale)
-    return (out, lse) if return_lse else out
+    return _attention(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
+                      bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
+                      softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                      return_lse=return_lse)
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     softmax_scale: float | None = None, alibi_slopes: Tensor | None = None,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     dropout_p: float = 0.0, dropout_seed=None, return_lse: bool = False,
+                     deterministic: bool = False, bias: Tensor | None = None):
+    """Attention over packed variable-length sequences.
+
+    q ``(total_q, heads_q, head_dim)``, k and v ``(total_k, heads_k, head_dim)``; sequence b
+    holds tokens ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, shape (batch + 1,)). Each
+    sequence is attended on its own (causal bottom-right aligned per sequence; a length
+    of 0 is fine). ``max_seqlen_*`` must bound the lengths. lse is ``(heads_q, total_q)``.
+    cu_seqlens on the CPU are checked (start 0, non-decreasing, end = total); on the GPU
+    they are trusted (checking would need a device sync). ``bias`` is not supported.
+    """
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      causal=causal, softmax_scale=softmax_scale, bias=bias,
+                      alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse)
+
+
+def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                 dropout_p: float, device=None) -> Tensor:
+    """The keep mask ``(batch, heads, seqlen_q, seqlen_k)`` bool that attention with this
+    seed and dropout_p applies (for tests and debugging). ``dropout_seed`` must be given."""
+    if dropout_seed is None:
+        raise ValueError("dropout_mask needs the dropout_seed the attention call used")
+    device = torch.device(device or ("cpu" if runtime.interpreting() else "cuda"))
+    launch = fa_plan.dropout_mask_plan(batch, heads, seqlen_q, seqlen_k, dropout_p,
+                                       capability=_launch.capability(device))
+    arrays = {"seed": dropout_seed_tensor(dropout_seed, device)}
+    return _launch.run(launch, arrays, device)["mask"].bool()

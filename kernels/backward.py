@@ -1,24 +1,28 @@
 """FlashAttention-2 backward, in three kernels and without atomics.
 
-With P = exp(z - LSE) recomputed from the saved LSE (z the natural-log scores),
-dP = dO V^T and D = rowsum(dO * O) (minus dLSE when the LSE itself has a gradient):
+With P = exp(z - LSE) recomputed from the saved LSE (z the natural-log logits after
+softcap, bias and ALiBi), dP = dO V^T and D = rowsum(dO * O) - dLSE:
 
-    dS = P * (dP - D)      dV = P^T dO      dK = scale * dS^T Q      dQ = scale * dS K
+    dZ = P * (dP - D)      dV = P^T dO      dK = scale * dS^T Q      dQ = scale * dS K
+
+where dS = dZ, times 1 - tanh^2 under softcap; dZ is also the bias gradient. Dropout
+multiplies P by keep / (1 - p) on the way to dV and dP by the same on the way back.
 
 * ``attention_backward_preprocess``: D, one program per (query block, head, batch).
-* ``attention_backward_dkdv``: one program per (key block, K/V head, batch) loops over
-  the query blocks that see it, for every query head of its GQA group, summing in
-  fp32 registers: dK and dV are written once, so the result is deterministic.
-* ``attention_backward_dq``: one program per (query block, query head, batch) loops
-  over the key blocks it sees, like the forward.
+* ``attention_backward_dkdv``: one program per (key block, K/V head, batch entry) loops
+  over the query blocks that see it, for every query head of its GQA group, summing
+  in fp32 registers: dK and dV are written once, so the result is deterministic.
+* ``attention_backward_dq``: one program per (query block, query head, batch entry)
+  loops over the key blocks it sees, like the forward; it also writes dZ for the bias.
 
-The outflow rule: the scores are scaled once in fp32 (``qk_scale`` = scale * log2 e),
-and the one remaining factor, ``softmax_scale``, is applied to dK and dQ on the way out.
+The outflow rule: scores are scaled once in fp32, and the remaining factors
+(``softmax_scale`` for dK and dQ, 1 / (1 - p) for dV) are applied on the way out.
 """
 import triton
 import triton.language as tl
 
-from .helpers import aligned, key_range, load_row_stats, load_tile, query_range, store_tile, visible
+from .helpers import (aligned, dropout_keep, key_blocks, load_row_stats, load_seed, load_tile,
+                      query_blocks, scores, sequence_bounds, softcap_slope, store_tile, visible)
 
 
 @triton.jit
@@ -39,14 +43,15 @@ def attention_backward_preprocess(
     stride_dom = aligned(stride_dom, STRIDES_ALIGNED)
     stride_doh = aligned(stride_doh, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
+    head = tl.cast(tl.program_id(1), tl.int64)
+    batch = tl.cast(tl.program_id(2), tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = start_m + offs_m
-    o = load_tile(Out + batch * stride_ob + head * stride_oh + tl.cast(start_m, tl.int64) * stride_om,
+    row0 = tl.cast(start_m, tl.int64)
+    o = load_tile(Out + batch * stride_ob + head * stride_oh + row0 * stride_om,
                   offs_m, offs_d, stride_om, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(dOut + batch * stride_dob + head * stride_doh + tl.cast(start_m, tl.int64) * stride_dom,
+    do = load_tile(dOut + batch * stride_dob + head * stride_doh + row0 * stride_dom,
                    offs_m, offs_d, stride_dom, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
     row_base = batch * stride_lb + head * stride_lh
     dlse = tl.load(dLSE + row_base + rows, mask=rows < seqlen_q, other=0.0)
@@ -55,44 +60,65 @@ def attention_backward_preprocess(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, cols,
-               offs_m, offs_d, stride_qm, stride_dom, qk_scale, seqlen_q, seqlen_k,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+               offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
+               qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+               seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     """Add one query block's share to dK and dV (tiles kept transposed: keys x queries)."""
     rows = start_m + offs_m
-    q = load_tile(q_base + tl.cast(start_m, tl.int64) * stride_qm, offs_m, offs_d, stride_qm,
+    row0 = tl.cast(start_m, tl.int64)
+    q = load_tile(q_base + row0 * stride_qm, offs_m, offs_d, stride_qm,
                   seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(do_base + tl.cast(start_m, tl.int64) * stride_dom, offs_m, offs_d, stride_dom,
+    do = load_tile(do_base + row0 * stride_dom, offs_m, offs_d, stride_dom,
                    seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
     lse2, delta = load_row_stats(lse_base, delta_base, rows, seqlen_q)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    s_t = scores(qk_t, rows[None, :], cols[:, None], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                 softcap_log2, bias_base, stride_bm, stride_bn, slope,
+                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
     p_t = tl.exp2(s_t - lse2[None, :])
     if MASKED:
-        p_t = tl.where(visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, IS_CAUSAL), p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        p_t = tl.where(visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
+                               window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        keep_t = dropout_keep(seed_lo, seed_hi, batch, head, rows[None, :], cols[:, None],
+                              dropout_p)
+        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
+    if HAS_SOFTCAP:
+        ds_t = ds_t * softcap_slope(qk_t, softcap_scale)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def attention_backward_dkdv(
-    Q, K, V, dOut, LSE, Delta,
-    softmax_scale, qk_scale, seqlen_q, seqlen_k,
+    Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    softmax_scale, qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+    window_left, window_right, seqlen_q, seqlen_k,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_sb,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     dK, dV,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STRIDES_ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -114,79 +140,135 @@ def attention_backward_dkdv(
     stride_dvh = aligned(stride_dvh, STRIDES_ALIGNED)
     start_n = tl.program_id(0) * BLOCK_N
     head_k = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
+    batch = tl.program_id(2)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
+                                                           seqlen_q, seqlen_k, IS_VARLEN)
+    batch64 = tl.cast(batch, tl.int64)
+    head_k64 = tl.cast(head_k, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     cols = start_n + offs_n
+    seed_lo = 0
+    seed_hi = 0
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = load_seed(Seed)
 
-    # Key rows past seqlen_k read as 0. They are never masked here: a key column of
-    # dS only reaches its own rows of dK and dV, and those rows are not stored.
-    kv_offset = tl.cast(start_n, tl.int64)
-    k = load_tile(K + batch * stride_kb + tl.cast(head_k, tl.int64) * stride_kh + kv_offset * stride_kn,
+    # Key rows past seqlen_k read as 0. They need no mask here: a key column of dS
+    # only reaches its own rows of dK and dV, and those rows are not stored.
+    k_row0 = k_start + tl.cast(start_n, tl.int64)
+    k = load_tile(K + batch64 * stride_kb + head_k64 * stride_kh + k_row0 * stride_kn,
                   offs_n, offs_d, stride_kn, seqlen_k - start_n, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(V + batch * stride_vb + tl.cast(head_k, tl.int64) * stride_vh + kv_offset * stride_vn,
+    v = load_tile(V + batch64 * stride_vb + head_k64 * stride_vh + k_row0 * stride_vn,
                   offs_n, offs_d, stride_vn, seqlen_k - start_n, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    begin, full_begin = query_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, full_lo, full_hi, hi = query_blocks(start_n, seqlen_q, seqlen_k, window_left,
+                                            window_right, BLOCK_M, BLOCK_N, LIMIT_LEFT,
+                                            LIMIT_RIGHT)
     for g in range(GROUP_SIZE):
-        head = (head_k * GROUP_SIZE + g).to(tl.int64)
-        q_base = Q + batch * stride_qb + head * stride_qh
-        do_base = dOut + batch * stride_dob + head * stride_doh
-        lse_base = LSE + batch * stride_lb + head * stride_lh
-        delta_base = Delta + batch * stride_lb + head * stride_lh
-        for start_m in range(begin, full_begin, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, cols,
-                                offs_m, offs_d, stride_qm, stride_dom, qk_scale, seqlen_q, seqlen_k,
-                                HEAD_DIM, BLOCK_D, True, IS_CAUSAL, DOT_PRECISION)
-        for start_m in range(full_begin, seqlen_q, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, cols,
-                                offs_m, offs_d, stride_qm, stride_dom, qk_scale, seqlen_q, seqlen_k,
-                                HEAD_DIM, BLOCK_D, False, IS_CAUSAL, DOT_PRECISION)
+        head = head_k * GROUP_SIZE + g
+        head64 = tl.cast(head, tl.int64)
+        q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
+        do_base = dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom
+        lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
+        delta_base = Delta + batch64 * stride_lb + head64 * stride_lh + q_start
+        bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Slopes + batch64 * stride_sb + head64)
+        for start_m in range(lo, full_lo, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head, HEAD_DIM, BLOCK_D, True,
+                LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
+                DOT_PRECISION)
+        for start_m in range(full_lo, full_hi, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head, HEAD_DIM, BLOCK_D, False,
+                LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
+                DOT_PRECISION)
+        for start_m in range(full_hi, hi, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head, HEAD_DIM, BLOCK_D, True,
+                LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
+                DOT_PRECISION)
 
     dk = dk * softmax_scale
-    store_tile(dK + batch * stride_dkb + tl.cast(head_k, tl.int64) * stride_dkh + kv_offset * stride_dkn,
+    if HAS_DROPOUT:
+        dv = dv * dropout_scale
+    store_tile(dK + batch64 * stride_dkb + head_k64 * stride_dkh + k_row0 * stride_dkn,
                dk, offs_n, offs_d, stride_dkn, seqlen_k - start_n, HEAD_DIM, BLOCK_D)
-    store_tile(dV + batch * stride_dvb + tl.cast(head_k, tl.int64) * stride_dvh + kv_offset * stride_dvn,
+    store_tile(dV + batch64 * stride_dvb + head_k64 * stride_dvh + k_row0 * stride_dvn,
                dv, offs_n, offs_d, stride_dvn, seqlen_k - start_n, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n, rows, offs_n, offs_d,
-             stride_kn, stride_vn, qk_scale, seqlen_q, seqlen_k,
+def _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+             offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
+             seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+             window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add one key block's share to dQ."""
+             LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+             HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             HAS_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add one key block's share to dQ (and write its dZ when the bias needs a gradient)."""
     cols = start_n + offs_n
-    k = load_tile(k_base + tl.cast(start_n, tl.int64) * stride_kn, offs_n, offs_d, stride_kn,
+    n0 = tl.cast(start_n, tl.int64)
+    k = load_tile(k_base + n0 * stride_kn, offs_n, offs_d, stride_kn,
                   seqlen_k - start_n, HEAD_DIM, BLOCK_D, MASKED)
-    v = load_tile(v_base + tl.cast(start_n, tl.int64) * stride_vn, offs_n, offs_d, stride_vn,
+    v = load_tile(v_base + n0 * stride_vn, offs_n, offs_d, stride_vn,
                   seqlen_k - start_n, HEAD_DIM, BLOCK_D, MASKED)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+               softcap_log2, bias_base, stride_bm, stride_bn, slope,
+               HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
     p = tl.exp2(s - lse2[:, None])
     if MASKED:
-        p = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, IS_CAUSAL), p, 0.0)
+        p = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
+                             window_right, LIMIT_LEFT, LIMIT_RIGHT), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :], dropout_p)
+        dp = tl.where(keep, dp * dropout_scale, 0.0)
     ds = p * (dp - delta[:, None])
+    if HAS_DBIAS:
+        ptrs = dbias_base + tl.cast(rows[:, None], tl.int64) * stride_dbm + cols[None, :]
+        tl.store(ptrs, ds, mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
+    if HAS_SOFTCAP:
+        ds = ds * softcap_slope(qk, softcap_scale)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def attention_backward_dq(
-    Q, K, V, dOut, LSE, Delta,
-    softmax_scale, qk_scale, seqlen_q, seqlen_k,
+    Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    softmax_scale, qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+    window_left, window_right, seqlen_q, seqlen_k,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_sb,
     stride_dqb, stride_dqm, stride_dqh,
-    dQ,
+    stride_dbb, stride_dbh, stride_dbm,
+    dQ, dBias,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
@@ -206,35 +288,61 @@ def attention_backward_dq(
     stride_dqh = aligned(stride_dqh, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
-    head_k = (head // GROUP_SIZE).to(tl.int64)
-    head = tl.cast(head, tl.int64)
+    batch = tl.program_id(2)
+    head_k = tl.cast(head // GROUP_SIZE, tl.int64)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
+                                                           seqlen_q, seqlen_k, IS_VARLEN)
+    batch64 = tl.cast(batch, tl.int64)
+    head64 = tl.cast(head, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = start_m + offs_m
-    m_offset = tl.cast(start_m, tl.int64)
+    q_row0 = q_start + tl.cast(start_m, tl.int64)
 
-    q = load_tile(Q + batch * stride_qb + head * stride_qh + m_offset * stride_qm,
+    q = load_tile(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qm,
                   offs_m, offs_d, stride_qm, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(dOut + batch * stride_dob + head * stride_doh + m_offset * stride_dom,
+    do = load_tile(dOut + batch64 * stride_dob + head64 * stride_doh + q_row0 * stride_dom,
                    offs_m, offs_d, stride_dom, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
-    row_base = batch * stride_lb + head * stride_lh
+    row_base = batch64 * stride_lb + head64 * stride_lh + q_start
     lse2, delta = load_row_stats(LSE + row_base, Delta + row_base, rows, seqlen_q)
-    k_base = K + batch * stride_kb + head_k * stride_kh
-    v_base = V + batch * stride_vb + head_k * stride_vh
+    k_base = K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn
+    v_base = V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn
+    bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
+    dbias_base = dBias + batch64 * stride_dbb + head64 * stride_dbh
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + batch64 * stride_sb + head64)
+    seed_lo = 0
+    seed_hi = 0
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = load_seed(Seed)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n, rows, offs_n, offs_d,
-                      stride_kn, stride_vn, qk_scale, seqlen_q, seqlen_k,
-                      HEAD_DIM, BLOCK_D, False, IS_CAUSAL, DOT_PRECISION)
-    for start_n in range(full_end, end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n, rows, offs_n, offs_d,
-                      stride_kn, stride_vn, qk_scale, seqlen_q, seqlen_k,
-                      HEAD_DIM, BLOCK_D, True, IS_CAUSAL, DOT_PRECISION)
+    lo, full_lo, full_hi, hi = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+                      offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
+                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+                      window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
+                      batch, head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+                      offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
+                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+                      window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
+                      batch, head, HEAD_DIM, BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+                      offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
+                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+                      window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
+                      batch, head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
 
     dq = dq * softmax_scale
-    store_tile(dQ + batch * stride_dqb + head * stride_dqh + m_offset * stride_dqm,
+    store_tile(dQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqm,
                dq, offs_m, offs_d, stride_dqm, seqlen_q - start_m, HEAD_DIM, BLOCK_D)

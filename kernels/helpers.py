@@ -60,61 +60,168 @@ def store_tile(base, tile, offs_row, offs_d, stride_row, num_rows,
 
 
 @triton.jit
-def visible(rows_q, cols_k, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr):
+def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(first query token, first key token, seqlen_q, seqlen_k) of one batch entry.
+
+    Varlen batches pack sequences back to back: entry b holds tokens
+    [cu_seqlens[b], cu_seqlens[b + 1]). Otherwise every entry starts at token 0.
+    """
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + batch)
+        k_start = tl.load(CuSeqlensK + batch)
+        seqlen_q = tl.load(CuSeqlensQ + batch + 1) - q_start
+        seqlen_k = tl.load(CuSeqlensK + batch + 1) - k_start
+        q_start = tl.cast(q_start, tl.int64)
+        k_start = tl.cast(k_start, tl.int64)
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
+def visible(rows_q, cols_k, seqlen_q, seqlen_k, window_left, window_right,
+            LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
     """Which (query row, key column) pairs take part in the softmax.
 
-    ``rows_q`` and ``cols_k`` are broadcastable index arrays, so the same helper
-    serves the (query, key) tiles of the forward and the transposed (key, query)
-    tiles of the dk/dv kernel.
+    Row i sees key j when j < seqlen_k and, with the diagonal bottom-right aligned
+    (d = seqlen_k - seqlen_q), i + d - window_left <= j <= i + d + window_right.
+    Causal is window_right = 0. ``rows_q`` and ``cols_k`` are broadcastable index
+    arrays: the same helper serves (query, key) tiles and transposed (key, query) tiles.
     """
     mask = cols_k < seqlen_k
-    if IS_CAUSAL:
-        mask = mask & (cols_k <= rows_q + (seqlen_k - seqlen_q))
+    if LIMIT_RIGHT:
+        mask = mask & (cols_k <= rows_q + (seqlen_k - seqlen_q) + window_right)
+    if LIMIT_LEFT:
+        mask = mask & (cols_k >= rows_q + (seqlen_k - seqlen_q) - window_left)
     return mask
 
 
 @triton.jit
-def key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              IS_CAUSAL: tl.constexpr):
-    """Keys a query block [start_m, start_m + BLOCK_M) needs.
+def key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Key blocks a query block [start_m, start_m + BLOCK_M) needs.
 
-    Returns (full_end, end): key blocks in [0, full_end) are visible to every row of
-    the block and need no mask; those in [full_end, end) cross the causal diagonal
-    or the end of the sequence and do. Keys past ``end`` are never visited.
+    Returns (lo, full_lo, full_hi, hi): blocks in [full_lo, full_hi) are visible to
+    every row of the block and need no mask; those in [lo, full_lo) and [full_hi, hi)
+    cross the window's edges or the end of the keys and are masked. Blocks outside
+    [lo, hi) are skipped: a sliding window costs time in proportion to its size.
     """
-    if IS_CAUSAL:
-        diagonal = seqlen_k - seqlen_q
-        end = tl.minimum(seqlen_k, start_m + BLOCK_M + diagonal)
-        full = tl.minimum(seqlen_k, start_m + diagonal + 1)
-    else:
-        end = seqlen_k
-        full = seqlen_k
-    end = tl.maximum(end, 0)
-    full_end = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
-    return full_end, end
+    diagonal = seqlen_k - seqlen_q
+    hi = seqlen_k
+    full_hi = seqlen_k
+    if LIMIT_RIGHT:
+        hi = tl.minimum(hi, start_m + BLOCK_M - 1 + diagonal + window_right + 1)
+        full_hi = tl.minimum(full_hi, start_m + diagonal + window_right + 1)
+    lo = 0
+    full_lo = 0
+    if LIMIT_LEFT:
+        lo = tl.maximum(start_m + diagonal - window_left, 0)
+        full_lo = tl.maximum(start_m + BLOCK_M - 1 + diagonal - window_left, 0)
+    hi = tl.where(start_m < seqlen_q, tl.maximum(hi, 0), 0)  # varlen: past this sequence
+    lo = lo // BLOCK_N * BLOCK_N
+    full_lo = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_hi = tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N
+    split = full_lo < full_hi  # else no block is wholly visible: mask all from lo
+    full_lo = tl.where(split, full_lo, lo)
+    full_hi = tl.where(split, full_hi, lo)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def query_range(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                IS_CAUSAL: tl.constexpr):
+def query_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
     """Query blocks that see a key block [start_n, start_n + BLOCK_N).
 
-    Returns (begin, full_begin): query blocks in [begin, full_begin) cross the causal
-    diagonal and need a mask; those from full_begin to the end of the sequence see
-    every key of the block. Query blocks before ``begin`` see none of it.
+    Returns (lo, full_lo, full_hi, hi) as ``key_blocks``. Query rows past the end
+    read as zeros with LSE +inf and contribute nothing, so the unmasked range may
+    run to the last (partial) query block.
     """
-    if IS_CAUSAL:
-        diagonal = seqlen_k - seqlen_q
-        last_q_block = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        begin = tl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
-        full = tl.maximum(start_n + BLOCK_N - 1 - diagonal, 0)
-        full_begin = (full + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        full_begin = tl.maximum(tl.minimum(full_begin, last_q_block), begin)
-        begin = tl.minimum(begin, full_begin)
+    diagonal = seqlen_k - seqlen_q
+    last_block_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    lo = 0
+    full_lo = 0
+    if LIMIT_RIGHT:  # key j is seen by rows i >= j - diagonal - window_right
+        lo = tl.maximum(start_n - diagonal - window_right, 0)
+        full_lo = tl.maximum(start_n + BLOCK_N - 1 - diagonal - window_right, 0)
+    hi = seqlen_q
+    full_hi = last_block_end
+    if LIMIT_LEFT:  # ... and rows i <= j - diagonal + window_left
+        hi = tl.minimum(seqlen_q, start_n + BLOCK_N - 1 - diagonal + window_left + 1)
+        full_hi = tl.minimum(full_hi, start_n - diagonal + window_left + 1)
+    hi = tl.where(start_n < seqlen_k, tl.maximum(hi, 0), 0)  # varlen: past this sequence
+    lo = lo // BLOCK_M * BLOCK_M
+    full_lo = (full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    full_hi = tl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M
+    split = full_lo < full_hi
+    full_lo = tl.where(split, full_lo, lo)
+    full_hi = tl.where(split, full_hi, lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2, in fp32 (the same formula on the GPU and in the interpreter)."""
+    e = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def scores(qk, rows_q, cols_k, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2,
+           bias_base, stride_bm, stride_bn, slope,
+           HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Base-2 logits of a tile from its q·k products.
+
+    z = softcap * tanh(scale * qk / softcap) (or scale * qk), + bias, - slope * |i + d - j|;
+    returned as z * log2(e). Every option is a constexpr: the plain path is one multiply.
+    """
+    if HAS_SOFTCAP:
+        s = tanh(qk * softcap_scale) * softcap_log2
     else:
-        begin = 0
-        full_begin = 0
-    return begin, full_begin
+        s = qk * qk_scale
+    if HAS_BIAS:
+        bias = tl.load(bias_base + tl.cast(rows_q, tl.int64) * stride_bm + cols_k * stride_bn,
+                       mask=(rows_q < seqlen_q) & (cols_k < seqlen_k), other=0.0)
+        s += bias.to(tl.float32) * LOG2E
+    if HAS_ALIBI:
+        distance = tl.abs(rows_q + (seqlen_k - seqlen_q) - cols_k).to(tl.float32)
+        s -= (slope * LOG2E) * distance
+    return s
+
+
+@triton.jit
+def softcap_slope(qk, softcap_scale):
+    """d(softcap * tanh(scale * qk / softcap)) / d(scale * qk) = 1 - tanh^2."""
+    t = tanh(qk * softcap_scale)
+    return 1.0 - t * t
+
+
+@triton.jit
+def dropout_keep(seed_lo, seed_hi, batch, head, rows_q, cols_k, dropout_p):
+    """The keep mask: Philox keyed by the seed, counter (key, query row, head, batch).
+
+    A pure function of (seed, batch, head, i, j), never of the tiling, so torch and
+    jax, GPU and CPU, every block size draw the same mask.
+    """
+    c0 = (cols_k + 0 * rows_q).to(tl.uint32)
+    c1 = (rows_q + 0 * cols_k).to(tl.uint32)
+    c2 = tl.zeros_like(c0) + tl.cast(head, tl.uint32)
+    c3 = tl.zeros_like(c0) + tl.cast(batch, tl.uint32)
+    k0 = tl.zeros_like(c0) + seed_lo
+    k1 = tl.zeros_like(c0) + seed_hi
+    r0, _, _, _ = tl.random.philox_impl(c0, c1, c2, c3, k0, k1)
+    return tl.random.uint_to_uniform_float(r0) >= dropout_p
+
+
+@triton.jit
+def load_seed(Seed):
+    """The two 32-bit halves of the dropout seed (stored as int32)."""
+    seed_lo = tl.load(Seed).to(tl.uint32, bitcast=True)
+    seed_hi = tl.load(Seed + 1).to(tl.uint32, bitcast=True)
+    return seed_lo, seed_hi
 
 
 @triton.jit

@@ -8,7 +8,9 @@ and launches each ``Launch`` in order:
                        num_warps=..., num_stages=...)
 
 which is also the argument order ``jax_triton.triton_call`` uses (arrays and
-scalars positionally, outputs appended, constexprs as keywords).
+scalars positionally, outputs appended, constexprs as keywords). Inputs a problem
+does not use (no bias, no dropout...) are still passed, as any 1-element array:
+their constexpr flag is off, so the kernel never touches them.
 """
 from __future__ import annotations
 
@@ -21,16 +23,22 @@ from .configs import tile_config
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
+# Every array argument of the attention kernels, in signature order.
+ATTENTION_INPUTS = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k")
+BACKWARD_INPUTS = ("q", "k", "v", "dout", "lse", "delta", "bias", "slopes", "seed",
+                   "cu_seqlens_q", "cu_seqlens_k")
 
 Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Output:
-    """An array a launch writes: allocate it with this shape and dtype (contiguous)."""
+    """An array a launch writes: allocate it with this shape and dtype (contiguous);
+    ``zeroed`` outputs must start as zeros (the kernel writes only part of them)."""
     name: str
     shape: Shape
     dtype: str
+    zeroed: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,8 @@ class Launch:
 
 @dataclass(frozen=True)
 class AttentionProblem:
-    """The validated shape of one attention call, layout (batch, seqlen, heads, head_dim)."""
+    """One validated attention call. Layout (batch, seqlen, heads, head_dim); for varlen,
+    (total_tokens, heads, head_dim) with ``batch`` sequences of at most seqlen_q/k."""
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -62,6 +71,15 @@ class AttentionProblem:
     dtype: str
     causal: bool
     softmax_scale: float
+    window_left: int = -1   # effective window: causal already folded into window_right = 0
+    window_right: int = -1
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    bias_shape: Shape | None = None      # padded to 4-D, broadcastable to (B, Hq, Sq, Sk)
+    alibi_shape: Shape | None = None     # (Hq,) or (B, Hq)
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
 
     @property
     def group_size(self) -> int:
@@ -72,12 +90,34 @@ class AttentionProblem:
         return max(16, 1 << (self.head_dim - 1).bit_length())
 
     @property
-    def out_shape(self) -> Shape:
+    def q_shape(self) -> Shape:
+        if self.varlen:
+            return (self.total_q, self.heads_q, self.head_dim)
         return (self.batch, self.seqlen_q, self.heads_q, self.head_dim)
 
     @property
+    def kv_shape(self) -> Shape:
+        if self.varlen:
+            return (self.total_k, self.heads_k, self.head_dim)
+        return (self.batch, self.seqlen_k, self.heads_k, self.head_dim)
+
+    out_shape = q_shape
+
+    @property
     def lse_shape(self) -> Shape:
+        if self.varlen:
+            return (self.heads_q, self.total_q)
         return (self.batch, self.heads_q, self.seqlen_q)
+
+    @property
+    def dbias_shape(self) -> Shape:
+        return (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+
+    @property
+    def bias_reduce_axes(self) -> tuple[int, ...]:
+        """Axes of the dense (B, Hq, Sq, Sk) bias gradient to sum for a broadcast bias."""
+        full = self.dbias_shape
+        return tuple(i for i, (n, m) in enumerate(zip(self.bias_shape, full)) if n == 1 and m != 1)
 
     @property
     def dot_precision(self) -> str:
@@ -107,10 +147,10 @@ class BackwardPlan:
 # Validation
 
 
-def _check_rank4(name: str, shape: Shape, layout: str) -> None:
-    if len(shape) != 4:
+def _check_rank(name: str, shape: Shape, rank: int, layout: str) -> None:
+    if len(shape) != rank:
         raise ValueError(
-            f"{name} must have 4 dimensions {layout}; got shape {tuple(shape)} "
+            f"{name} must have {rank} dimensions {layout}; got shape {tuple(shape)} "
             f"({len(shape)} dimensions)")
 
 
@@ -126,6 +166,15 @@ def check_dtypes(q_dtype: str, k_dtype: str, v_dtype: str) -> str:
     return q_dtype
 
 
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return value
+
+
 def normalize_softmax_scale(softmax_scale, head_dim: int) -> float:
     """``None`` means head_dim ** -0.5; 0.0 is a legal scale (all scores equal)."""
     if softmax_scale is None:
@@ -133,27 +182,89 @@ def normalize_softmax_scale(softmax_scale, head_dim: int) -> float:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(
             f"softmax_scale must be a real number or None; got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite; got {scale}")
-    return scale
+    return _real("softmax_scale", softmax_scale)
+
+
+def _window(window_size, causal: bool) -> tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints; got {window_size!r}")
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int; got {type(value).__name__}")
+        if value < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded); got {value}")
+    return int(left), 0 if causal else int(right)
+
+
+def _check_bias(bias_shape, bias_dtype, full: Shape) -> Shape:
+    shape = tuple(bias_shape)
+    if bias_dtype not in DTYPES:
+        raise TypeError(f"bias has dtype {bias_dtype}; expected one of {', '.join(DTYPES)}")
+    if len(shape) > 4:
+        raise ValueError(f"bias must have at most 4 dimensions (batch, heads_q, seqlen_q, "
+                         f"seqlen_k); got shape {shape}")
+    padded = (1,) * (4 - len(shape)) + shape
+    if any(n not in (1, m) for n, m in zip(padded, full)):
+        raise ValueError(f"bias of shape {shape} does not broadcast to (batch, heads_q, "
+                         f"seqlen_q, seqlen_k) = {full}")
+    return padded
+
+
+def _check_alibi(alibi_shape, alibi_dtype, batch: int, heads_q: int) -> Shape:
+    shape = tuple(alibi_shape)
+    if alibi_dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32; got {alibi_dtype}")
+    if shape not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or "
+                         f"(batch, heads_q) = ({batch}, {heads_q}); got {shape}")
+    return shape
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+    return bool(value)
 
 
 def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
                   q_dtype: str, k_dtype: str, v_dtype: str, *,
-                  causal: bool = False, softmax_scale=None) -> AttentionProblem:
-    """Validate q, k, v and the options; raise ValueError/TypeError before any launch."""
+                  causal: bool = False, softmax_scale=None, window_size=(-1, -1),
+                  softcap: float = 0.0, dropout_p: float = 0.0,
+                  bias_shape: Shape | None = None, bias_dtype: str | None = None,
+                  alibi_shape: Shape | None = None, alibi_dtype: str | None = None,
+                  varlen: dict | None = None) -> AttentionProblem:
+    """Validate q, k, v and the options; raise ValueError/TypeError before any launch.
+
+    ``varlen``, for packed inputs, holds ``cu_seqlens_q_shape``, ``cu_seqlens_k_shape``,
+    their dtypes ``cu_seqlens_q_dtype``/``cu_seqlens_k_dtype`` and ``max_seqlen_q``,
+    ``max_seqlen_k``.
+    """
     q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
-    _check_rank4("q", q_shape, "(batch, seqlen_q, heads_q, head_dim)")
-    _check_rank4("k", k_shape, "(batch, seqlen_k, heads_k, head_dim)")
-    _check_rank4("v", v_shape, "(batch, seqlen_k, heads_k, head_dim)")
+    if varlen is None:
+        _check_rank("q", q_shape, 4, "(batch, seqlen_q, heads_q, head_dim)")
+        _check_rank("k", k_shape, 4, "(batch, seqlen_k, heads_k, head_dim)")
+        _check_rank("v", v_shape, 4, "(batch, seqlen_k, heads_k, head_dim)")
+    else:
+        _check_rank("q", q_shape, 3, "(total_q, heads_q, head_dim)")
+        _check_rank("k", k_shape, 3, "(total_k, heads_k, head_dim)")
+        _check_rank("v", v_shape, 3, "(total_k, heads_k, head_dim)")
     dtype = check_dtypes(q_dtype, k_dtype, v_dtype)
-    batch, seqlen_q, heads_q, head_dim = q_shape
     if k_shape != v_shape:
         raise ValueError(f"k and v must have the same shape; got k {k_shape}, v {v_shape}")
-    batch_k, seqlen_k, heads_k, head_dim_k = k_shape
-    if batch_k != batch:
-        raise ValueError(f"q and k must have the same batch size; got q {q_shape}, k {k_shape}")
+    heads_q, head_dim = q_shape[-2:]
+    heads_k, head_dim_k = k_shape[-2:]
+    if varlen is None:
+        batch, seqlen_q = q_shape[:2]
+        batch_k, seqlen_k = k_shape[:2]
+        if batch_k != batch:
+            raise ValueError(
+                f"q and k must have the same batch size; got q {q_shape}, k {k_shape}")
+        total_q = total_k = 0
+    else:
+        batch, seqlen_q, seqlen_k = _check_varlen(varlen)
+        total_q, total_k = q_shape[0], k_shape[0]
     if head_dim_k != head_dim:
         raise ValueError(
             f"q and k must have the same head_dim (last dimension); got q {q_shape}, k {k_shape}")
@@ -164,29 +275,60 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
         raise ValueError(
             f"heads_q ({heads_q}) must be a multiple of heads_k ({heads_k}) for GQA/MQA; "
             f"got q {q_shape}, k {k_shape}")
-    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
-        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    causal = _check_bool("causal", causal)
+    window_left, window_right = _window(window_size, causal)
+    softcap = _real("softcap", softcap)
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: off); got {softcap}")
+    dropout_p = _real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    if bias_shape is not None:
+        if varlen is not None:
+            raise ValueError("bias is not supported with varlen inputs (use alibi_slopes or "
+                             "the padded layout)")
+        bias_shape = _check_bias(bias_shape, bias_dtype, (batch, heads_q, seqlen_q, seqlen_k))
+    if alibi_shape is not None:
+        alibi_shape = _check_alibi(alibi_shape, alibi_dtype, batch, heads_q)
     return AttentionProblem(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype,
-                            bool(causal), normalize_softmax_scale(softmax_scale, head_dim))
+                            causal, normalize_softmax_scale(softmax_scale, head_dim),
+                            window_left, window_right, softcap, dropout_p, bias_shape,
+                            alibi_shape, varlen is not None, total_q, total_k)
 
 
-def check_unbuilt(*, bias, alibi_slopes, window_size, softcap, dropout_p) -> None:
-    """Options of the public API the kernels do not carry yet: refuse, never ignore."""
-    unbuilt = []
-    if bias is not None:
-        unbuilt.append("bias")
-    if alibi_slopes is not None:
-        unbuilt.append("alibi_slopes")
-    if tuple(window_size) != (-1, -1):
-        unbuilt.append("window_size")
-    if softcap:
-        unbuilt.append("softcap")
-    if dropout_p:
-        unbuilt.append("dropout_p")
-    if unbuilt:
-        raise NotImplementedError(
-            f"{', '.join(unbuilt)}: not implemented yet (README, 'Status'); the call is "
-            "refused rather than the option silently ignored")
+def _check_varlen(varlen: dict) -> tuple[int, int, int]:
+    """(batch, max_seqlen_q, max_seqlen_k) from the varlen arguments' shapes and dtypes."""
+    shapes = []
+    for side in ("q", "k"):
+        shape = tuple(varlen[f"cu_seqlens_{side}_shape"])
+        dtype = varlen[f"cu_seqlens_{side}_dtype"]
+        if dtype != "int32":
+            raise TypeError(f"cu_seqlens_{side} must be int32; got {dtype}")
+        if len(shape) != 1 or shape[0] < 1:
+            raise ValueError(f"cu_seqlens_{side} must have shape (batch + 1,); got {shape}")
+        shapes.append(shape)
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same shape (batch + 1,); "
+                         f"got {shapes[0]} and {shapes[1]}")
+    maxes = []
+    for side in ("q", "k"):
+        value = varlen[f"max_seqlen_{side}"]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise TypeError(f"max_seqlen_{side} must be a non-negative Python int (static); "
+                            f"got {value!r}")
+        maxes.append(int(value))
+    return shapes[0][0] - 1, maxes[0], maxes[1]
+
+
+def check_cu_seqlens(name: str, values, total: int) -> None:
+    """Check cu_seqlens values where they are on the host: start 0, non-decreasing, end total."""
+    values = [int(x) for x in values]
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be non-decreasing; got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name} must end at the number of tokens ({total}); got {values[-1]}")
 
 
 def contiguous_strides(shape: Shape) -> Shape:
@@ -210,18 +352,46 @@ def _strides(name: str, shape: Shape, strides: Shape | None) -> Shape:
     return strides
 
 
-def _bsh(strides: Shape) -> tuple[int, int, int]:
-    """(batch, seq, head) strides of a (batch, seq, head, dim) array."""
+def _bsh(strides: Shape, varlen: bool) -> tuple[int, int, int]:
+    """(batch, seq, head) strides; packed varlen arrays have no batch stride."""
+    if varlen:
+        return 0, strides[0], strides[1]
     return strides[0], strides[1], strides[2]
 
 
-def _aligned(*strides: Shape) -> bool:
+def bias_strides(bias_shape: Shape, strides: Shape | None) -> tuple[int, int, int, int]:
+    """Element strides of a bias broadcast to (B, Hq, Sq, Sk): 0 on size-1 dimensions."""
+    padded = tuple(bias_shape)
+    given = contiguous_strides(padded) if strides is None else (0,) * (4 - len(strides)) + tuple(strides)
+    return tuple(0 if n == 1 else s for n, s in zip(padded, given))
+
+
+def _aligned(*strides: tuple[int, int, int]) -> bool:
     """All (batch, seq, head) strides multiples of 16 elements (see helpers.aligned)."""
-    return all(s % 16 == 0 for st in strides for s in st[:3])
+    return all(s % 16 == 0 for st in strides for s in st)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _feature_scalars(p: AttentionProblem) -> tuple:
+    softcap_scale = p.softmax_scale / p.softcap if p.softcap else 0.0
+    return (softcap_scale, p.softcap * LOG2E, p.dropout_p, 1.0 / (1.0 - p.dropout_p),
+            p.window_left, p.window_right)
+
+
+def _feature_constexprs(p: AttentionProblem) -> dict:
+    return dict(GROUP_SIZE=p.group_size, LIMIT_LEFT=p.window_left >= 0,
+                LIMIT_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
+                HAS_BIAS=p.bias_shape is not None, HAS_ALIBI=p.alibi_shape is not None,
+                HAS_DROPOUT=p.dropout_p > 0)
+
+
+def _bias_alibi_scalars(p: AttentionProblem, bias_st) -> tuple:
+    bias = bias_strides(p.bias_shape, bias_st) if p.bias_shape is not None else (0, 0, 0, 0)
+    slopes = p.heads_q if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0
+    return (*bias, slopes)
 
 
 # ---------------------------------------------------------------------------
@@ -230,25 +400,25 @@ def _cdiv(a: int, b: int) -> int:
 
 def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | None,
                  q_strides: Shape | None = None, k_strides: Shape | None = None,
-                 v_strides: Shape | None = None) -> ForwardPlan:
+                 v_strides: Shape | None = None, bias_strides: Shape | None = None) -> ForwardPlan:
     """How to launch the forward. ``capability`` is the GPU's (major, minor), None
     for the CPU interpreter. Strides are in elements; None means contiguous."""
     p = problem
-    q_st = _strides("q", p.out_shape, q_strides)
-    k_st = _strides("k", (p.batch, p.seqlen_k, p.heads_k, p.head_dim), k_strides)
-    v_st = _strides("v", (p.batch, p.seqlen_k, p.heads_k, p.head_dim), v_strides)
-    o_st = contiguous_strides(p.out_shape)
-    l_st = contiguous_strides(p.lse_shape)
+    q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
+    k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen)
+    v_st = _bsh(_strides("v", p.kv_shape, v_strides), p.varlen)
+    o_st = _bsh(contiguous_strides(p.out_shape), p.varlen)
+    l_st = (0, p.total_q) if p.varlen else contiguous_strides(p.lse_shape)[:2]
     cfg = tile_config("forward", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
     launch = Launch(
         kernel="attention_forward",
         grid=(_cdiv(p.seqlen_q, cfg.block_m), p.heads_q, p.batch),
-        inputs=("q", "k", "v"),
-        scalars=(p.softmax_scale * LOG2E, p.seqlen_q, p.seqlen_k,
-                 *_bsh(q_st), *_bsh(k_st), *_bsh(v_st), *_bsh(o_st), l_st[0], l_st[1]),
+        inputs=ATTENTION_INPUTS,
+        scalars=(p.softmax_scale * LOG2E, *_feature_scalars(p), p.seqlen_q, p.seqlen_k,
+                 *q_st, *k_st, *v_st, *o_st, *l_st, *_bias_alibi_scalars(p, bias_strides)),
         outputs=(Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32")),
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n, GROUP_SIZE=p.group_size, IS_CAUSAL=p.causal,
+                        BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
                         DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st)),
         num_warps=cfg.num_warps,
@@ -260,29 +430,33 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
 def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | None,
                   q_strides: Shape | None = None, k_strides: Shape | None = None,
                   v_strides: Shape | None = None, out_strides: Shape | None = None,
-                  dout_strides: Shape | None = None) -> BackwardPlan:
+                  dout_strides: Shape | None = None, bias_strides: Shape | None = None,
+                  bias_grad: bool = False) -> BackwardPlan:
     """How to launch the backward: D = rowsum(dO * O) - dLSE, then dK/dV, then dQ.
 
-    Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse
-    (batch, heads_q, seqlen_q) fp32, contiguous; ``delta`` is the preprocess output.
+    Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse (the LSE's
+    shape, fp32, contiguous), bias, slopes, seed, cu_seqlens_*; ``delta`` is made by
+    the preprocess. With ``bias_grad``, dq also writes ``dbias``, dense
+    (B, Hq, Sq, Sk) fp32: sum it over ``problem.bias_reduce_axes``.
     """
     p = problem
-    kv_shape = (p.batch, p.seqlen_k, p.heads_k, p.head_dim)
-    q_st = _strides("q", p.out_shape, q_strides)
-    k_st = _strides("k", kv_shape, k_strides)
-    v_st = _strides("v", kv_shape, v_strides)
-    o_st = _strides("out", p.out_shape, out_strides)
-    do_st = _strides("dout", p.out_shape, dout_strides)
-    l_st = contiguous_strides(p.lse_shape)
-    dq_st = contiguous_strides(p.out_shape)
-    dkv_st = contiguous_strides(kv_shape)
+    q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
+    k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen)
+    v_st = _bsh(_strides("v", p.kv_shape, v_strides), p.varlen)
+    o_st = _bsh(_strides("out", p.out_shape, out_strides), p.varlen)
+    do_st = _bsh(_strides("dout", p.out_shape, dout_strides), p.varlen)
+    l_st = (0, p.total_q) if p.varlen else contiguous_strides(p.lse_shape)[:2]
+    dq_st = _bsh(contiguous_strides(p.q_shape), p.varlen)
+    dkv_st = _bsh(contiguous_strides(p.kv_shape), p.varlen)
 
-    pre = tile_config("preprocess", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
+    # The preprocess is row-wise: a packed varlen batch is one long sequence to it.
+    pre_rows, pre_batch = (p.total_q, 1) if p.varlen else (p.seqlen_q, p.batch)
+    pre = tile_config("preprocess", p.block_d, p.dtype, pre_rows, p.seqlen_k, capability)
     preprocess = Launch(
         kernel="attention_backward_preprocess",
-        grid=(_cdiv(p.seqlen_q, pre.block_m), p.heads_q, p.batch),
+        grid=(_cdiv(pre_rows, pre.block_m), p.heads_q, pre_batch),
         inputs=("out", "dout", "dlse"),
-        scalars=(p.seqlen_q, *_bsh(o_st), *_bsh(do_st), l_st[0], l_st[1]),
+        scalars=(pre_rows, *o_st, *do_st, *l_st),
         outputs=(Output("delta", p.lse_shape, "float32"),),
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=pre.block_m,
                         STRIDES_ALIGNED=_aligned(o_st, do_st)),
@@ -290,36 +464,58 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         num_stages=pre.num_stages,
     )
 
-    common_scalars = (p.softmax_scale, p.softmax_scale * LOG2E, p.seqlen_q, p.seqlen_k,
-                      *_bsh(q_st), *_bsh(k_st), *_bsh(v_st), *_bsh(do_st), l_st[0], l_st[1])
-    inputs = ("q", "k", "v", "dout", "lse", "delta")
+    common_scalars = (p.softmax_scale, p.softmax_scale * LOG2E, *_feature_scalars(p),
+                      p.seqlen_q, p.seqlen_k, *q_st, *k_st, *v_st, *do_st, *l_st,
+                      *_bias_alibi_scalars(p, bias_strides))
+    aligned = _aligned(q_st, k_st, v_st, do_st, dq_st, dkv_st)
 
-    def constexprs(cfg):
+    def constexprs(cfg, **extra):
         return dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, GROUP_SIZE=p.group_size, IS_CAUSAL=p.causal,
-                    DOT_PRECISION=p.dot_precision,
-                    STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, do_st, dq_st, dkv_st))
+                    BLOCK_N=cfg.block_n, **_feature_constexprs(p), **extra, IS_VARLEN=p.varlen,
+                    DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=aligned)
 
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
     dkdv = Launch(
         kernel="attention_backward_dkdv",
         grid=(_cdiv(p.seqlen_k, kv.block_n), p.heads_k, p.batch),
-        inputs=inputs,
-        scalars=(*common_scalars, *_bsh(dkv_st), *_bsh(dkv_st)),
-        outputs=(Output("dk", kv_shape, p.dtype), Output("dv", kv_shape, p.dtype)),
+        inputs=BACKWARD_INPUTS,
+        scalars=(*common_scalars, *dkv_st, *dkv_st),
+        outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
         constexprs=constexprs(kv),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
+    bias_grad = bool(bias_grad and p.bias_shape is not None)
+    dbias = (Output("dbias", p.dbias_shape, "float32", zeroed=True) if bias_grad
+             else Output("dbias", (1,), "float32"))
+    dbias_st = contiguous_strides(p.dbias_shape)[:3] if bias_grad else (0, 0, 0)
     qc = tile_config("dq", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
     dq = Launch(
         kernel="attention_backward_dq",
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),
-        inputs=inputs,
-        scalars=(*common_scalars, *_bsh(dq_st)),
-        outputs=(Output("dq", p.out_shape, p.dtype),),
-        constexprs=constexprs(qc),
+        inputs=BACKWARD_INPUTS,
+        scalars=(*common_scalars, *dq_st, *dbias_st),
+        outputs=(Output("dq", p.q_shape, p.dtype), dbias),
+        constexprs=constexprs(qc, HAS_DBIAS=bias_grad),
         num_warps=qc.num_warps,
         num_stages=qc.num_stages,
     )
     return BackwardPlan(problem, preprocess, dkdv, dq)
+
+
+def dropout_mask_plan(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+                      *, capability: tuple[int, int] | None) -> Launch:
+    """The keep mask (batch, heads, seqlen_q, seqlen_k) int8 that attention draws for
+    this seed; input ``seed`` (2,) int32."""
+    dropout_p = _real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    shape = (batch, heads, seqlen_q, seqlen_k)
+    st = contiguous_strides(shape)
+    cfg = tile_config("forward", 16, "float32", seqlen_q, seqlen_k, capability)
+    return Launch(
+        kernel="dropout_mask", grid=(_cdiv(seqlen_q, cfg.block_m), heads, batch),
+        inputs=("seed",), scalars=(dropout_p, seqlen_q, seqlen_k, st[0], st[1], st[2]),
+        outputs=(Output("mask", shape, "int8"),),
+        constexprs=dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+        num_warps=4, num_stages=1)

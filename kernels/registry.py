@@ -11,6 +11,7 @@ from .backward import (  # noqa: E402
     attention_backward_dq,
     attention_backward_preprocess,
 )
+from .dropout import dropout_mask  # noqa: E402
 from .forward import attention_forward  # noqa: E402
 
 KERNELS = {
@@ -18,4 +19,5 @@ KERNELS = {
     "attention_backward_preprocess": attention_backward_preprocess,
     "attention_backward_dkdv": attention_backward_dkdv,
     "attention_backward_dq": attention_backward_dq,
+    "dropout_mask": dropout_mask,
 }

@@ -43,10 +43,14 @@ def assert_close_to_reference(name, ours, truth, framework, dtype, factor=2.0):
         f"{dtype} error {framework_err:.3g} + {FLOOR[dtype]:.0e}")
 
 
-def reference_grads(q, k, v, dout, causal, softmax_scale, compute_dtype):
+def reference_grads(q, k, v, dout, causal, softmax_scale, compute_dtype, bias=None, **options):
+    """Reference (out, lse, [dq, dk, dv] (+ [dbias] with a bias)) by autograd."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, lse = attention_reference(*leaves, causal=causal, softmax_scale=softmax_scale,
-                                   compute_dtype=compute_dtype)
+    if bias is not None:
+        leaves.append(bias.detach().clone().requires_grad_())
+    out, lse = attention_reference(*leaves[:3], causal=causal, softmax_scale=softmax_scale,
+                                   bias=leaves[3] if bias is not None else None,
+                                   compute_dtype=compute_dtype, **options)
     out.backward(dout.to(out.dtype))
     return out.detach(), lse.detach(), [x.grad for x in leaves]
 
@@ -68,43 +72,81 @@ def from_numpy(a) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def run_torch(q, k, v, dout, **options):
-    """fa_torch forward and backward: (out, lse, [dq, dk, dv])."""
+def run_torch(q, k, v, dout, bias=None, **options):
+    """fa_torch forward and backward: (out, lse, [dq, dk, dv] (+ [dbias]))."""
     import fa_torch
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, lse = fa_torch.attention(*leaves, return_lse=True, **options)
+    if bias is not None:
+        leaves.append(bias.detach().clone().requires_grad_())
+    out, lse = fa_torch.attention(*leaves[:3], bias=leaves[3] if bias is not None else None,
+                                  return_lse=True, **options)
     out.backward(dout)
     return out.detach(), lse.detach(), [x.grad for x in leaves]
 
 
-def run_jax(q, k, v, dout, **options):
-    """fa_jax forward and backward under jit: (out, lse, [dq, dk, dv]) as torch tensors."""
+def run_jax(q, k, v, dout, bias=None, alibi_slopes=None, **options):
+    """fa_jax forward and backward under jit: (out, lse, grads) as torch tensors."""
     import jax
 
     import fa_jax
 
-    def fwd(q, k, v):
-        return fa_jax.attention(q, k, v, return_lse=True, **options)
+    slopes = None if alibi_slopes is None else to_numpy(alibi_slopes)
 
-    (out, lse), vjp = jax.vjp(jax.jit(fwd), *(to_numpy(x) for x in (q, k, v)))
+    def fwd(q, k, v, *bias_arg):
+        return fa_jax.attention(q, k, v, bias=bias_arg[0] if bias_arg else None,
+                                alibi_slopes=slopes, return_lse=True, **options)
+
+    primals = [to_numpy(x) for x in (q, k, v)] + ([to_numpy(bias)] if bias is not None else [])
+    (out, lse), vjp = jax.vjp(jax.jit(fwd), *primals)
     grads = vjp((to_numpy(dout), np.zeros(lse.shape, np.float32)))
     return from_numpy(out), from_numpy(lse), [from_numpy(g) for g in grads]
 
 
+def keep_mask(front, seed, batch, heads, seqlen_q, seqlen_k, dropout_p):
+    """The dropout keep mask a front end draws for this seed, as a torch bool tensor."""
+    if front == "jax":
+        import fa_jax
+
+        return from_numpy(np.asarray(fa_jax.dropout_mask(seed, batch, heads, seqlen_q, seqlen_k,
+                                                         dropout_p)))
+    import fa_torch
+
+    return fa_torch.dropout_mask(seed, batch, heads, seqlen_q, seqlen_k, dropout_p).cpu()
+
+
 def check_against_reference(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
-                            dtype, causal, softmax_scale=None, seed=0):
+                            dtype, causal, softmax_scale=None, seed=0, bias_shape=None,
+                            **options):
+    """Our forward, LSE and gradients against float64, by flash-attn's tolerance rule.
+
+    ``options`` go to the front end (window_size, softcap, alibi_slopes, dropout_p with
+    dropout_seed); the reference gets the keep mask the kernel drew.
+    """
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype).to(q.device)
-    out, lse, grads = runner(q, k, v, dout, causal=causal, softmax_scale=softmax_scale)
-    t_out, t_lse, t_grads = reference_grads(q, k, v, dout, causal, softmax_scale, torch.float64)
-    f_out, f_lse, f_grads = reference_grads(q, k, v, dout, causal, softmax_scale, q.dtype)
+    bias = None
+    if bias_shape is not None:
+        bias = torch.randn(bias_shape, generator=gen).to(q.dtype).to(q.device)
+    out, lse, grads = runner(q, k, v, dout, causal=causal, softmax_scale=softmax_scale,
+                             bias=bias, **options)
+    ref_options = {n: options[n] for n in ("window_size", "softcap", "alibi_slopes", "dropout_p")
+                   if n in options}
+    if options.get("dropout_p", 0) > 0:
+        front = "jax" if runner is run_jax else "torch"
+        ref_options["dropout_keep"] = keep_mask(front, options["dropout_seed"], batch, heads_q,
+                                                seqlen_q, seqlen_k, options["dropout_p"]).to(q.device)
+    t_out, t_lse, t_grads = reference_grads(q, k, v, dout, causal, softmax_scale, torch.float64,
+                                            bias=bias, **ref_options)
+    f_out, f_lse, f_grads = reference_grads(q, k, v, dout, causal, softmax_scale, q.dtype,
+                                            bias=bias, **ref_options)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32
     assert_close_to_reference("out", out, t_out, f_out, dtype)
     assert_close_to_reference("lse", lse, t_lse, f_lse, dtype)
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(t_lse.cpu())), "lse -inf rows differ"
-    for name, g, t, f in zip(("dq", "dk", "dv"), grads, t_grads, f_grads):
-        assert g.shape == t.shape and g.dtype == q.dtype, name
+    names = ("dq", "dk", "dv", "dbias")
+    for name, g, t, f in zip(names, grads, t_grads, f_grads):
+        assert g.shape == t.shape and g.dtype == t.dtype, name
         assert_close_to_reference(name, g, t, f, dtype, factor=3.0)

@@ -95,11 +95,68 @@ def test_jax_wrong_platform():
         fa_jax.attention(q, q, q)
 
 
+OPTION_CASES = [
+    ("window type", {"window_size": (1.5, 0)}, TypeError, r"window_size left must be an int"),
+    ("window value", {"window_size": (-2, 0)}, ValueError, r"window_size left must be >= -1"),
+    ("window shape", {"window_size": 3}, TypeError, r"window_size must be a pair"),
+    ("softcap", {"softcap": -1.0}, ValueError, r"softcap must be >= 0"),
+    ("dropout", {"dropout_p": 1.0, "dropout_seed": 1}, ValueError, r"dropout_p must be in \[0, 1\)"),
+    ("bias shape", {"bias": "bias_bad"}, ValueError, r"bias of shape \(3, 8\) does not broadcast"),
+    ("bias dtype", {"bias": "bias_int"}, TypeError, r"bias has dtype int32"),
+    ("alibi shape", {"alibi_slopes": "alibi_bad"}, ValueError, r"alibi_slopes must have shape \(heads_q,\)"),
+    ("alibi dtype", {"alibi_slopes": "alibi_half"}, TypeError, r"alibi_slopes must be float32"),
+]
+
+
+def _option_value(value):
+    made = {"bias_bad": lambda: torch.zeros(3, 8), "bias_int": lambda: torch.zeros(1, 8, dtype=torch.int32),
+            "alibi_bad": lambda: torch.zeros(3), "alibi_half": lambda: torch.zeros(2).half()}
+    if isinstance(value, str) and value in made:
+        return made[value]().to(DEVICE)
+    return value
+
+
 @pytest.mark.parametrize("front", FRONTS)
-@pytest.mark.parametrize("option,value", [("bias", "x"), ("alibi_slopes", "x"),
-                                          ("window_size", (4, 0)), ("softcap", 5.0),
-                                          ("dropout_p", 0.1)])
-def test_unbuilt_options_refused(front, option, value):
-    q = t(1, 4, 1, 16)
-    with pytest.raises(NotImplementedError, match=option):
-        FRONTS[front](q, q, q, **{option: value})
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_bad_options(front, case):
+    _, options, error, message = case
+    q = t(1, 8, 2, 16)
+    options = {n: _option_value(v) for n, v in options.items()}
+    if front == "jax":
+        options = {n: to_numpy(v) if isinstance(v, torch.Tensor) else v for n, v in options.items()}
+    with pytest.raises(error, match=message):
+        FRONTS[front](q, q, q, **options)
+
+
+VARLEN_CASES = [
+    ("rank", lambda cu: (t(8, 2, 16)[None], t(8, 2, 16), t(8, 2, 16), cu, cu), ValueError,
+     r"q must have 3 dimensions \(total_q, heads_q, head_dim\)"),
+    ("cu dtype", lambda cu: (t(8, 2, 16), t(8, 2, 16), t(8, 2, 16), cu.long(), cu), TypeError,
+     r"cu_seqlens_q must be int32; got int64"),
+    ("cu shape", lambda cu: (t(8, 2, 16), t(8, 2, 16), t(8, 2, 16), cu[:, None], cu), ValueError,
+     r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
+    ("cu end", lambda cu: (t(9, 2, 16), t(8, 2, 16), t(8, 2, 16), cu, cu), ValueError,
+     r"cu_seqlens_q must end at the number of tokens \(9\); got 8"),
+    ("cu order", lambda cu: (t(8, 2, 16), t(8, 2, 16), t(8, 2, 16),
+                             torch.tensor([0, 6, 3, 8], dtype=torch.int32, device=cu.device), cu),
+     ValueError, r"cu_seqlens_q must be non-decreasing"),
+]
+
+
+@pytest.mark.parametrize("front", ["torch", "jax"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+def test_bad_varlen(front, case):
+    _, make, error, message = case
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    if front == "torch" and DEVICE.type == "cuda" and case[0] in ("cu end", "cu order"):
+        pytest.skip("cu_seqlens on the GPU are trusted (checking needs a device sync)")
+    q, k, v, cu_q, cu_k = make(cu.to(DEVICE) if front == "torch" else cu)
+    with pytest.raises(error, match=message):
+        if front == "torch":
+            import fa_torch
+
+            fa_torch.attention_varlen(q, k, v, cu_q, cu_k, 8, 8)
+        else:
+            import fa_jax
+
+            fa_jax.attention_varlen(*(to_numpy(x) for x in (q, k, v, cu_q.cpu(), cu_k.cpu())), 8, 8)
