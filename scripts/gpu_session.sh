@@ -17,7 +17,7 @@ for step in "$@"; do
         2>&1 | tee "$out/test.log" | grep -v "^\.*$" | tail -40 ;;
     memcheck)
       timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
-        "$py" -m pytest -q -x -p no:cacheprovider tests/test_attention.py -k "torch and (head_dims or gqa or seqlens-17x17 or 113x70)" \
+        "$py" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_features.py -k "torch and (test_gqa or 113x70 or (head_dims and bfloat16 and True) or combined or (window and 64x130))" \
         2>&1 | tee "$out/memcheck.log" | tail -15 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$out" \

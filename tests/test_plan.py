@@ -30,12 +30,15 @@ def test_forward_grid_and_strides(capability):
     launch = fwd.launch
     block_m = launch.constexprs["BLOCK_M"]
     assert launch.grid == (-(-100 // block_m), 8, 2)
-    # scalars: qk_scale, seqlen_q, seqlen_k, then (batch, seq, head) strides of q, k, v, out, lse.
-    assert launch.scalars[1:3] == (100, 300)
-    assert launch.scalars[3:6] == (100 * 8 * 72 * 3, 8 * 72 * 3, 72)
-    assert launch.scalars[6:9] == (300 * 2 * 72, 2 * 72, 72)
-    assert launch.scalars[12:15] == (100 * 8 * 72, 8 * 72, 72)
-    assert launch.scalars[15:] == (8 * 100, 100)
+    # scalars: qk_scale, softcap_scale, softcap*log2e, dropout_p, 1/(1-p), window left/right,
+    # seqlen_q, seqlen_k, then (batch, seq, head) strides of q, k, v, out; lse; bias; slopes.
+    assert launch.scalars[0] == pytest.approx(72 ** -0.5 * 1.4426950408889634)
+    assert launch.scalars[5:9] == (-1, -1, 100, 300)
+    assert launch.scalars[9:12] == (100 * 8 * 72 * 3, 8 * 72 * 3, 72)
+    assert launch.scalars[12:15] == (300 * 2 * 72, 2 * 72, 72)
+    assert launch.scalars[18:21] == (100 * 8 * 72, 8 * 72, 72)
+    assert launch.scalars[21:23] == (8 * 100, 100)
+    assert launch.scalars[23:] == (0, 0, 0, 0, 0)
     assert [o.shape for o in launch.outputs] == [(2, 100, 8, 72), (2, 8, 100)]
     assert launch.constexprs["GROUP_SIZE"] == 4 and launch.constexprs["HEAD_DIM"] == 72
 
@@ -73,3 +76,31 @@ def test_same_plan_for_both_front_ends():
     a = plan.forward_plan(problem(), capability=(9, 0))
     b = plan.forward_plan(problem(), capability=(9, 0), q_strides=plan.contiguous_strides((2, 100, 8, 72)))
     assert a == b
+
+
+def test_causal_is_window_right_zero():
+    p = problem(causal=True, window_size=(5, 7))
+    assert (p.window_left, p.window_right) == (5, 0)
+    c = plan.forward_plan(p, capability=None).launch.constexprs
+    assert c["LIMIT_LEFT"] and c["LIMIT_RIGHT"] and not c["HAS_DROPOUT"]
+
+
+def test_bias_broadcast_strides_and_reduction():
+    p = problem(bias_shape=(8, 1, 300), bias_dtype="float32")
+    assert p.bias_shape == (1, 8, 1, 300)
+    assert plan.bias_strides(p.bias_shape, None) == (0, 300, 0, 1)
+    assert p.bias_reduce_axes == (0, 2)
+    bwd = plan.backward_plan(p, capability=None, bias_grad=True)
+    assert bwd.dq.outputs[1].shape == (2, 8, 100, 300) and bwd.dq.outputs[1].zeroed
+
+
+def test_varlen_layout():
+    p = plan.check_problem((50, 8, 64), (70, 2, 64), (70, 2, 64), "float16", "float16", "float16",
+                           varlen=dict(cu_seqlens_q_shape=(4,), cu_seqlens_k_shape=(4,),
+                                       cu_seqlens_q_dtype="int32", cu_seqlens_k_dtype="int32",
+                                       max_seqlen_q=30, max_seqlen_k=40))
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q) == (3, 30, 40, 50)
+    assert p.lse_shape == (8, 50) and p.out_shape == (50, 8, 64)
+    launch = plan.forward_plan(p, capability=None).launch
+    assert launch.grid[1:] == (8, 3) and launch.constexprs["IS_VARLEN"]
+    assert launch.scalars[9:12] == (0, 8 * 64, 64)  # no batch stride in a packed array
