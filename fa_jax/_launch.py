@@ -71,7 +71,7 @@ def run(launch, arrays: dict) -> dict:
             *inputs, *(_scalar(s) for s in launch.scalars),
             kernel=fa_kernels.kernel(launch.kernel), out_shape=shapes, grid=launch.grid,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
-            zeroed_outputs=[i for i, o in enumerate(launch.outputs) if o.zeroed],
+            zeroed_outputs=tuple(i for i, o in enumerate(launch.outputs) if o.zeroed),
             **launch.constexprs)
     else:
         results = jax.pure_callback(functools.partial(_run_on_host, launch), shapes, *inputs)

@@ -13,7 +13,7 @@ py="$(./scripts/env.sh)" || exit 1
 for step in "$@"; do
   case "$step" in
     test)
-      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider tests \
+      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider ${TEST_ARGS:-tests} \
         2>&1 | tee "$out/test.log" | grep -v "^\.*$" | tail -40 ;;
     memcheck)
       timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
