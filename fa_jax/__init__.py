@@ -9,3 +9,12 @@ import fa_kernels  # noqa: F401  (decides interpreter vs compiled before triton 
 from .ops import attention, attention_varlen, dropout_mask
 
 __all__ = ["attention", "attention_varlen", "dropout_mask"]
+
+
+def __getattr__(name):
+    # ``fa_jax.flax`` without importing Flax for users who do not use it.
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module(".flax", __name__)
+    raise AttributeError(f"module 'fa_jax' has no attribute {name!r}")

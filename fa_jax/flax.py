@@ -1,0 +1,95 @@
+"""Flax adapter: ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention`` (and
+the nnx ``MultiHeadAttention``), with the signature of ``flax.linen.dot_product_attention``.
+
+    nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fa_jax.flax.attention_fn)
+    nn.MultiHeadDotProductAttention(..., attention_fn=fa_jax.flax.make_attention_fn(causal=True))
+
+Linen passes only the arguments an attention_fn declares, so every one is declared.
+
+* ``mask`` (True = attend), broadcastable to (batch..., heads, q_len, kv_len): a concrete
+  causal mask (``nn.make_causal_mask`` outside jit) with q_len == kv_len becomes the
+  causal flag; any other mask becomes an additive bias of 0 / -1e30, so a fully masked
+  row attends uniformly, as Flax's own attention does. Under jit a mask is a tracer and
+  cannot be inspected: say ``make_attention_fn(causal=True)`` for the fast causal path.
+* ``dropout_rng`` seeds our dropout (the mask is drawn per batch entry and head;
+  ``broadcast_dropout`` is accepted, the mask is not broadcast over batch dims).
+* ``dtype`` casts q, k, v for the computation; the softmax is always in fp32
+  (``force_fp32_for_softmax`` is accepted). ``precision`` and ``module`` are accepted and
+  unused (there are no attention weights to sow).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .ops import attention
+
+MASKED_BIAS = -1e30  # finite: -inf would turn a fully masked row into NaN
+
+
+def _is_causal_mask(mask, q_len: int, kv_len: int) -> bool:
+    if mask is None or isinstance(mask, jax.core.Tracer) or q_len != kv_len:
+        return False
+    mask = np.asarray(mask)
+    if mask.shape[-2:] != (q_len, kv_len):
+        return False
+    causal = np.tril(np.ones((q_len, kv_len), dtype=bool))
+    return bool(np.all(mask.reshape(-1, q_len, kv_len) == causal))
+
+
+def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+                  deterministic, dtype, options):
+    if dtype is not None:
+        query, key, value = (x.astype(dtype) for x in (query, key, value))
+    *batch_dims, q_len, heads, depth = query.shape
+    kv_len = key.shape[-3]
+    lead = int(np.prod(batch_dims)) if batch_dims else 1
+
+    def fold(x):
+        return x.reshape(lead, *x.shape[-3:])
+
+    causal = options.pop("causal", False)
+    if mask is not None and _is_causal_mask(mask, q_len, kv_len):
+        causal, mask = True, None
+    parts = [jnp.asarray(bias, jnp.float32)] if bias is not None else []
+    if mask is not None:
+        parts.append(jnp.where(mask, 0.0, MASKED_BIAS).astype(jnp.float32))
+    total_bias = sum(parts[1:], parts[0]) if parts else None
+    if total_bias is not None and (len(batch_dims) > 1 or total_bias.ndim > 4):
+        # Several batch dims fold into one: give the bias them all, then fold.
+        total_bias = jnp.broadcast_to(total_bias, (*batch_dims, heads, q_len, kv_len))
+        total_bias = total_bias.reshape(lead, heads, q_len, kv_len)
+    dropout = {}
+    if not deterministic and dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError("dropout_rate > 0 with deterministic=False needs dropout_rng")
+        dropout = dict(dropout_p=float(dropout_rate), dropout_seed=dropout_rng)
+    out = attention(fold(query), fold(key), fold(value), causal=causal, bias=total_bias,
+                    **dropout, **options)
+    return out.reshape(*batch_dims, q_len, heads, out.shape[-1]) if batch_dims else out[0]
+
+
+def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                 dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                 dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False):
+    """Drop-in for ``flax.linen.dot_product_attention`` on our kernels.
+
+    query ``(batch..., q_len, heads, depth)``, key and value ``(batch..., kv_len,
+    heads_kv, depth)``. Returns ``(batch..., q_len, heads, depth)``.
+    """
+    return _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+                         dropout_rate, deterministic, dtype, {})
+
+
+def make_attention_fn(**options):
+    """An ``attention_fn`` with fixed options of ``fa_jax.attention`` (``causal``,
+    ``window_size``, ``softcap``, ``alibi_slopes``, ``softmax_scale``...)."""
+
+    def fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+           dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+           dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False):
+        return _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+                             dropout_rate, deterministic, dtype, dict(options))
+
+    return fn
