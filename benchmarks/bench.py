@@ -6,7 +6,10 @@ Pallas' Triton attention. FLOPs follow flash-attn: 4*B*H*Sq*Sk*D for the forward
 halved when causal; forward+backward counts 3.5x the forward. Each time is the median
 of many runs after warm-up, on random inputs.
 
-    python benchmarks/bench.py [--quick] [--out benchmarks]   # writes RESULTS.md and bench.png
+    python benchmarks/bench.py [--quick] [--window W] [--out benchmarks]   # RESULTS.md, bench.png
+
+With ``--window W`` fa_torch and fa_jax are also timed with a sliding window; their
+TFLOP/s still count the dense FLOPs, so a rising number means falling time.
 """
 from __future__ import annotations
 
@@ -185,6 +188,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--shape", action="append", default=[],
                         help="B,S,Hq,Hk,D,causal (repeatable); replaces the default list")
+    parser.add_argument("--window", type=int, default=-1,
+                        help="also time fa_torch/fa_jax with window_size=(W, W) (W, 0 causal)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
@@ -193,6 +198,17 @@ def main():
     modes = args.modes.split(",")
     rows = []
     t_impls, j_impls = torch_impls(), jax_impls()
+    if args.window >= 0:
+        import fa_jax
+
+        w = args.window
+        window = lambda causal: (w, 0 if causal else w)  # noqa: E731
+        t_impls[f"fa_torch window {w}"] = (
+            lambda q, k, v, causal: fa_torch.attention(q, k, v, causal=causal,
+                                                       window_size=window(causal)), "bshd")
+        j_impls[f"fa_jax window {w}"] = (
+            lambda q, k, v, causal: fa_jax.attention(q, k, v, causal=causal,
+                                                     window_size=window(causal)))
     chosen = [tuple(int(x) for x in spec.split(",")) for spec in args.shape]
     chosen = [(b, s, s, hq, hk, d, bool(c)) for b, s, hq, hk, d, c in chosen] or shapes(args.quick)
     work = [(s, m) for s in chosen for m in modes]

@@ -96,3 +96,22 @@ def test_low_precision_dtypes_kept(dtype):
     assert out.dtype == q.dtype
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     assert all(g.dtype == q.dtype for g in grads)
+
+
+def test_vmap_with_bias_slopes_and_seeds():
+    q, k, v = qkv(shape=(2, 20, 24, 2, 1, 16))
+    bias = jax.random.normal(jax.random.PRNGKey(1), (3, 1, 2, 20, 24))
+    slopes = jnp.array([0.1, 0.2], jnp.float32)
+    qs = jnp.stack([q, -q, 0.5 * q])
+    fn = lambda q, b: fa_jax.attention(q, k, v, bias=b, alibi_slopes=slopes)  # noqa: E731
+    batched = jax.vmap(fn)(qs, bias)
+    for i in range(3):
+        np.testing.assert_array_equal(batched[i], fn(qs[i], bias[i]))
+    grads = jax.grad(lambda b: jnp.sum(jax.vmap(fn)(qs, b) ** 2))(bias)
+    single = jax.grad(lambda b: jnp.sum(fn(qs[1], b) ** 2))(bias[1])
+    np.testing.assert_allclose(grads[1], single, rtol=1e-6, atol=1e-6)
+    # A mapped dropout seed maps sequentially: element i equals the unmapped call.
+    seeds = jnp.arange(3, dtype=jnp.uint32)
+    drop = jax.vmap(lambda s: fa_jax.attention(q, k, v, dropout_p=0.5, dropout_seed=s))(seeds)
+    np.testing.assert_array_equal(drop[2], fa_jax.attention(q, k, v, dropout_p=0.5,
+                                                            dropout_seed=jnp.uint32(2)))

@@ -106,3 +106,21 @@ def test_varlen_parity_and_padded_equivalence():
     # The second sequence alone, in the padded layout, gives the same numbers.
     alone = fa_torch.attention(q[None, 20:], k[None, 20:], v[None, 20:], causal=True)
     torch.testing.assert_close(alone[0], t_out[20:].to(alone.device), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("front", ["torch", "jax"])
+def test_deterministic_backward_with_gqa_and_varlen(front):
+    # No atomics: the same bits every run (100 runs on the GPU, a few in the interpreter).
+    from .common import ON_GPU
+
+    lengths = [300, 0, 129, 511] if ON_GPU else [40, 0, 23]
+    q, k, v, cu_q, cu_k, dout = packed(lengths, lengths, 8, 2, 64, "bfloat16", seed=6)
+    runs = 100 if ON_GPU else 3
+    first = run_varlen(front, q, k, v, cu_q, cu_k, max(lengths), max(lengths), dout,
+                       causal=True, deterministic=True)
+    for _ in range(runs - 1):
+        again = run_varlen(front, q, k, v, cu_q, cu_k, max(lengths), max(lengths), dout,
+                           causal=True, deterministic=True)
+        assert torch.equal(again[0], first[0])
+        for a, b in zip(again[2], first[2]):
+            assert torch.equal(a, b)
