@@ -205,9 +205,23 @@ def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
     return halves.to(torch.int32).to(device)
 
 
+def _autocast(q, k, v):
+    """Under torch.autocast, q, k, v meet the kernels in the autocast dtype (the user's
+    choice, bf16 or fp16); bias, slopes and the LSE keep their dtypes."""
+    if not isinstance(q, torch.Tensor) or q.device.type not in ("cuda", "cpu"):
+        return q, k, v
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                 for x in (q, k, v))
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
                softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
                return_lse):
+    q, k, v = _autocast(q, k, v)
     problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, causal, softmax_scale, window_size, softcap, dropout_p)
     if problem.varlen and not (cu_seqlens_q.is_cuda or cu_seqlens_k.is_cuda):
