@@ -14,8 +14,9 @@ Linen passes only the arguments an attention_fn declares, so every one is declar
 * ``dropout_rng`` seeds our dropout (the mask is drawn per batch entry and head;
   ``broadcast_dropout`` is accepted, the mask is not broadcast over batch dims).
 * ``dtype`` casts q, k, v for the computation; the softmax is always in fp32
-  (``force_fp32_for_softmax`` is accepted). ``precision`` and ``module`` are accepted and
-  unused (there are no attention weights to sow).
+  (``force_fp32_for_softmax`` and nnx's ``promote_dtype`` are accepted). ``is_causal``
+  (nnx) sets the causal flag. ``precision`` and ``module`` are accepted and unused
+  (there are no attention weights to sow).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _is_causal_mask(mask, q_len: int, kv_len: int) -> bool:
 
 
 def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
-                  deterministic, dtype, options):
+                  deterministic, dtype, is_causal, options):
     if dtype is not None:
         query, key, value = (x.astype(dtype) for x in (query, key, value))
     *batch_dims, q_len, heads, depth = query.shape
@@ -49,7 +50,7 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
     def fold(x):
         return x.reshape(lead, *x.shape[-3:])
 
-    causal = options.pop("causal", False)
+    causal = options.pop("causal", False) or bool(is_causal)
     if mask is not None and _is_causal_mask(mask, q_len, kv_len):
         causal, mask = True, None
     parts = [jnp.asarray(bias, jnp.float32)] if bias is not None else []
@@ -72,14 +73,16 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
                  dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-                 dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False):
-    """Drop-in for ``flax.linen.dot_product_attention`` on our kernels.
+                 dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
+                 promote_dtype=None, is_causal: bool = False):
+    """Drop-in for ``flax.linen.dot_product_attention`` (and ``flax.nnx``'s, which also
+    passes ``is_causal``) on our kernels.
 
     query ``(batch..., q_len, heads, depth)``, key and value ``(batch..., kv_len,
     heads_kv, depth)``. Returns ``(batch..., q_len, heads, depth)``.
     """
     return _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
-                         dropout_rate, deterministic, dtype, {})
+                         dropout_rate, deterministic, dtype, is_causal, {})
 
 
 def make_attention_fn(**options):
@@ -88,8 +91,9 @@ def make_attention_fn(**options):
 
     def fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
            dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-           dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False):
+           dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
+           promote_dtype=None, is_causal: bool = False):
         return _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
-                             dropout_rate, deterministic, dtype, dict(options))
+                             dropout_rate, deterministic, dtype, is_causal, dict(options))
 
     return fn

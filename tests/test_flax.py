@@ -72,3 +72,16 @@ def test_dropout_needs_and_uses_the_rng():
     # deterministic=True turns dropout off, as in Flax.
     assert jnp.array_equal(fa_flax.attention_fn(q, k, v, dropout_rate=0.5, deterministic=True),
                            fa_flax.attention_fn(q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_inside_nnx_multi_head_attention(causal):
+    from flax import nnx
+
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, 18, 32))
+    kwargs = dict(num_heads=4, in_features=32, decode=False)
+    ours = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0), attention_fn=fa_flax.attention_fn)
+    theirs = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))  # the same weights
+    mask = nnx.make_causal_mask(jnp.ones((2, 18))) if causal else None
+    got = ours(x, is_causal=causal) if causal else ours(x)
+    np.testing.assert_allclose(got, theirs(x, mask=mask), atol=3e-5, rtol=1e-5)
