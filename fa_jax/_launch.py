@@ -60,8 +60,7 @@ def placeholder():
 def run(launch, arrays: dict) -> dict:
     """Launch one plan step on jax arrays; return its outputs by name (adds to ``arrays``)."""
     shapes = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
-    inputs = [arrays[name] if arrays.get(name) is not None else placeholder()
-              for name in launch.inputs]
+    inputs = [arrays[name] for name in launch.inputs]
     if launch.empty:
         results = [jnp.zeros(s.shape, s.dtype) for s in shapes]
     elif on_gpu():

@@ -141,7 +141,7 @@ def forward_op(options: Options):
         arrays = dict(zip(ARRAY_NAMES, args))
         problem = problem_of(arrays, options)
         fwd = fa_plan.forward_plan(problem, capability=_launch.capability())
-        outputs = _launch.run(fwd.launch, _present(arrays, options))
+        outputs = _launch.run(fwd.launch, arrays)
         return outputs["out"], outputs["lse"]
 
     forward.def_vmap(_batch_rule(forward, _kinds(ARRAY_NAMES, options), options))
@@ -161,7 +161,6 @@ def backward_op(options: Options):
         problem = problem_of(arrays, options)
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
                                     bias_grad=options.has_bias)
-        arrays = _present(arrays, options)
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
         arrays["dlse"] = arrays["dlse"].astype(jnp.float32)
         for launch in bwd.launches:
@@ -171,20 +170,6 @@ def backward_op(options: Options):
 
     backward.def_vmap(_batch_rule(backward, _kinds(BACKWARD_NAMES, options), options))
     return backward
-
-
-def _present(arrays: dict, options: Options) -> dict:
-    """Drop the placeholders of unused inputs (the launcher passes its own)."""
-    arrays = dict(arrays)
-    if not options.has_bias:
-        arrays["bias"] = None
-    if not options.has_alibi:
-        arrays["slopes"] = None
-    if options.dropout_p == 0:
-        arrays["seed"] = None
-    if not options.varlen:
-        arrays["cu_seqlens_q"] = arrays["cu_seqlens_k"] = None
-    return arrays
 
 
 def _zero_cotangent(x):
