@@ -1,42 +1,58 @@
 """Pick block sizes, warps and stages for ``kernels/configs.py`` on the GPU.
 
-For each (kernel, head dim, dtype) it times candidate configs on a representative
-problem (fa_torch's launcher, `triton.testing.do_bench`, median), checks each candidate
-against the float64 reference (a config that is fast and wrong is dropped), and prints
-the winners as table entries to paste into ``configs.py``.
+For each (kernel, head dim) it times every candidate config of that one kernel
+(forward, backward dK/dV, backward dQ) on a representative problem, causal and not,
+through the plan and fa_torch's launcher (`triton.testing.do_bench`, median), and keeps
+only candidates whose outputs match the current table's (a config that is fast and
+wrong is dropped; the full test suite checks the final table against float64).
+Candidates are compiled first in a pool of processes (Triton's disk cache then serves
+the timing process), so a sweep of a few hundred configs fits in minutes.
 
-    python benchmarks/tune.py [--head-dims 64,128,256] [--dtypes bfloat16,float32]
-    python benchmarks/tune.py --smoke     # tiny problem, one candidate: checks the script
-                                          # (the interpreter ignores the GPU table)
+    python benchmarks/tune.py [--head-dims 64,128,256] [--dtype bfloat16]
+                              [--kernels forward,dkdv,dq] [--workers 16] [--out DIR]
+
+Prints, per kernel and head dim, the winner beside the current entry, and the table
+lines to paste into ``configs.py``; writes all timings to ``DIR/tune.json``.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as futures
 import itertools
+import json
+import multiprocessing
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fa_kernels  # noqa: E402,F401
 import torch  # noqa: E402
 
-import fa_torch  # noqa: E402
-from fa_kernels import configs, runtime  # noqa: E402
-from tests.reference import attention_reference  # noqa: E402
+from fa_kernels import configs, plan  # noqa: E402
+from fa_torch import _launch  # noqa: E402
 
 KERNELS = ("forward", "dkdv", "dq")
+LAUNCH_OF = {"forward": "launch", "dkdv": "dkdv", "dq": "dq"}
+CHECKED = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq",)}
 
 
-def candidates(kernel: str, head_dim: int, dtype: str, smoke: bool):
-    if smoke:
-        return [configs.TileConfig(32, 32, 4, 1)]
-    blocks_m = (64, 128) if kernel != "dkdv" else (16, 32, 64)
-    blocks_n = (32, 64, 128) if kernel != "dq" else (16, 32, 64)
+def candidates(kernel: str, head_dim: int, dtype: str):
+    if kernel == "forward":
+        blocks_m, blocks_n = (64, 128), (32, 64, 128)
+    elif kernel == "dkdv":  # block_m: queries streamed, block_n: keys held
+        blocks_m, blocks_n = (16, 32, 64), (64, 128)
+    else:  # dq: block_m queries held, block_n keys streamed
+        blocks_m, blocks_n = (64, 128), (16, 32, 64)
+    item = 4 if dtype == "float32" else 2
     out = []
-    for bm, bn, warps, stages in itertools.product(blocks_m, blocks_n, (4, 8), (1, 2, 3, 4)):
-        tile_bytes = (bm + 2 * bn) * head_dim * (4 if dtype == "float32" else 2)
-        if tile_bytes * max(stages, 1) > 200 * 1024:  # would not fit in shared memory
+    stage_counts = (2, 3, 4) if kernel == "forward" else (1, 2, 3)
+    for bm, bn, warps, stages in itertools.product(blocks_m, blocks_n, (4, 8), stage_counts):
+        streamed = bn if kernel != "dkdv" else bm
+        held = bm if kernel != "dkdv" else bn
+        smem = (held + 2 * streamed * max(stages, 1)) * head_dim * item
+        if smem > 220 * 1024 or (head_dim >= 256 and bm * bn > 64 * 64 and warps == 4):
             continue
         out.append(configs.TileConfig(bm, bn, warps, stages))
     return out
@@ -46,63 +62,147 @@ def table_for(dtype: str) -> dict:
     return configs._GPU_32BIT if dtype == "float32" else configs._GPU_16BIT
 
 
-def measure(kernel, head_dim, dtype, cfg, shape, device):
-    """(ms, ok) for one config of one kernel, on the problem ``shape``."""
-    import triton.testing
+def problem(head_dim, dtype, causal, seqlen):
+    heads = max(1, 2048 // head_dim)
+    batch = max(1, 16384 // seqlen)
+    return plan.check_problem((batch, seqlen, heads, head_dim), (batch, seqlen, heads, head_dim),
+                              (batch, seqlen, heads, head_dim), dtype, dtype, dtype,
+                              causal=causal)
 
-    batch, seqlen, heads = shape
+
+def plans(p, capability):
+    return {"forward": plan.forward_plan(p, capability=capability),
+            **{k: getattr(plan.backward_plan(p, capability=capability), k)
+               for k in ("preprocess", "dkdv", "dq")}}
+
+
+def inputs_for(p, capability, seed=0):
+    """Every array the three kernels read, made with the current table."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tdtype = getattr(torch, p.dtype)
+    arrays = {name: torch.randn(p.q_shape if name in ("q", "dout") else p.kv_shape,
+                                device="cuda", dtype=tdtype, generator=gen)
+              for name in ("q", "k", "v", "dout")}
+    arrays["dlse"] = torch.zeros(p.lse_shape, device="cuda", dtype=torch.float32)
+    launches = plans(p, capability)
+    _launch.run(launches["forward"].launch, arrays, torch.device("cuda"))
+    _launch.run(launches["preprocess"], arrays, torch.device("cuda"))
+    return arrays
+
+
+def launch_of(kernel, p, capability):
+    launches = plans(p, capability)
+    return launches["forward"].launch if kernel == "forward" else launches[kernel]
+
+
+def _compile(task):
+    """Worker: compile one candidate by running it once on a small problem whose
+    integer arguments specialise the same way (multiples of 16)."""
+    kernel, head_dim, dtype, cfg = task
     table = table_for(dtype)
-    saved = table[(kernel, head_dim)]
-    table[(kernel, head_dim)] = cfg
+    table[(kernel, head_dim)] = configs.TileConfig(*cfg)
     try:
-        gen = torch.Generator().manual_seed(0)
-        tdtype = getattr(torch, dtype)
-        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, generator=gen).to(tdtype).to(device)
-                   .requires_grad_() for _ in range(3))
-        dout = torch.randn(q.shape, generator=gen).to(tdtype).to(device)
-        out = fa_torch.attention(q, k, v, causal=True)
-        out.backward(dout)
-        ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), causal=True)
-        ok = (out.double() - ref).abs().max().item() < (0.05 if dtype != "float32" else 1e-4)
-        if kernel == "forward":
-            step = lambda: fa_torch.attention(q, k, v, causal=True)  # noqa: E731
-        else:
-            def step():
-                q.grad = k.grad = v.grad = None
-                fa_torch.attention(q, k, v, causal=True).backward(dout)
-        if runtime.interpreting():
-            step()
-            return 0.0, ok
-        return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"), ok
-    except Exception as exc:  # noqa: BLE001  (a config the compiler rejects: out of resources)
-        print(f"  {kernel} D={head_dim} {dtype} {cfg}: {type(exc).__name__}", file=sys.stderr)
-        return float("inf"), False
-    finally:
-        table[(kernel, head_dim)] = saved
+        for causal in (False, True):
+            p = plan.check_problem((1, 256, 2, head_dim), (1, 256, 2, head_dim), (1, 256, 2, head_dim),
+                                   dtype, dtype, dtype, causal=causal)
+            capability = torch.cuda.get_device_capability()
+            arrays = inputs_for(p, capability)
+            _launch.run(launch_of(kernel, p, capability), arrays, torch.device("cuda"))
+        torch.cuda.synchronize()
+        return task, None
+    except Exception as exc:  # noqa: BLE001  (out of shared memory, registers...)
+        return task, f"{type(exc).__name__}: {str(exc)[:100]}"
+
+
+def close(a, b) -> bool:
+    a, b = a.float(), b.float()
+    finite = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), finite):
+        return False
+    scale = b[finite].abs().max().item() if finite.any() else 1.0
+    return bool(((a - b)[finite].abs().max().item() if finite.any() else 0.0) <= 2e-2 * scale)
 
 
 def main(argv=None):
+    import triton.testing
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dims", default="64,128,256")
-    parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = parser.parse_args(argv)
-    device = "cpu" if runtime.interpreting() else "cuda"
-    lines = []
-    for dtype in args.dtypes.split(","):
-        for head_dim in (int(d) for d in args.head_dims.split(",")):
-            shape = (1, 64, 1) if args.smoke else (4, 4096, max(1, 2048 // head_dim))
-            for kernel in KERNELS:
-                results = [(measure(kernel, head_dim, dtype, cfg, shape, device), cfg)
-                           for cfg in candidates(kernel, head_dim, dtype, args.smoke)]
-                good = [(ms, cfg) for (ms, ok), cfg in results if ok]
-                if not good:
-                    lines.append(f"# {kernel} D={head_dim} {dtype}: no candidate passed")
+    dtype, kernels = args.dtype, args.kernels.split(",")
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    capability = torch.cuda.get_device_capability()
+
+    tasks = [(kernel, d, dtype, (c.block_m, c.block_n, c.num_warps, c.num_stages))
+             for d in head_dims for kernel in kernels for c in candidates(kernel, d, dtype)]
+    start = time.time()
+    failed = {}
+    with futures.ProcessPoolExecutor(args.workers,
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+        for task, error in pool.map(_compile, tasks):
+            if error:
+                failed[task] = error
+    print(f"compiled {len(tasks)} candidates in {time.time() - start:.0f} s "
+          f"({len(failed)} rejected by the compiler)", flush=True)
+
+    results, lines = [], []
+    for head_dim in head_dims:
+        problems = {c: problem(head_dim, dtype, c, args.seqlen) for c in (False, True)}
+        arrays = {c: inputs_for(p, capability) for c, p in problems.items()}
+        for kernel in kernels:
+            table = table_for(dtype)
+            current = table[(kernel, head_dim)]
+            baseline = {}
+            for c, p in problems.items():
+                out = _launch.run(launch_of(kernel, p, capability), dict(arrays[c]),
+                                  torch.device("cuda"))
+                baseline[c] = {n: out[n].clone() for n in CHECKED[kernel]}
+            timed = []
+            for cfg in candidates(kernel, head_dim, dtype):
+                key = (kernel, head_dim, dtype, (cfg.block_m, cfg.block_n, cfg.num_warps,
+                                                 cfg.num_stages))
+                if key in failed:
                     continue
-                ms, best = min(good, key=lambda r: r[0])
-                lines.append(f'("{kernel}", {head_dim}): TileConfig({best.block_m}, {best.block_n}, '
-                             f'{best.num_warps}, {best.num_stages}),  # {dtype} {ms:.3f} ms')
-    print("\n".join(lines))
+                table[(kernel, head_dim)] = cfg
+                try:
+                    ms, ok = {}, True
+                    for c, p in problems.items():
+                        launch = launch_of(kernel, p, capability)
+                        out = _launch.run(launch, dict(arrays[c]), torch.device("cuda"))
+                        ok = ok and all(close(out[n], baseline[c][n]) for n in CHECKED[kernel])
+                        ms[c] = triton.testing.do_bench(
+                            lambda: _launch.run(launch, dict(arrays[c]), torch.device("cuda")),
+                            warmup=10, rep=80, return_mode="median")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  {kernel} D={head_dim} {cfg}: {type(exc).__name__}", file=sys.stderr)
+                    continue
+                finally:
+                    table[(kernel, head_dim)] = current
+                timed.append((ms[False] + ms[True], cfg, ms, ok))
+                results.append(dict(kernel=kernel, head_dim=head_dim, dtype=dtype,
+                                    config=list(key[3]), ms=ms[False], ms_causal=ms[True], ok=ok))
+            good = sorted((t for t in timed if t[3]), key=lambda t: t[0])
+            now = next((t for t in timed if t[1] == current), None)
+            if not good:
+                lines.append(f"# {kernel} D={head_dim}: no candidate passed")
+                continue
+            total, best, ms, _ = good[0]
+            line = (f'("{kernel}", {head_dim}): TileConfig({best.block_m}, {best.block_n}, '
+                    f'{best.num_warps}, {best.num_stages}),')
+            note = (f"{ms[False]:.3f} / {ms[True]:.3f} ms (causal)"
+                    + (f"; table now {current}: {now[2][False]:.3f} / {now[2][True]:.3f} ms"
+                       if now else ""))
+            lines.append(f"{line}  # {note}")
+            print(lines[-1], flush=True)
+    with open(os.path.join(args.out, "tune.json"), "w") as fh:
+        json.dump(dict(results=results, failed=[list(map(str, k)) + [v] for k, v in failed.items()]),
+                  fh, indent=1)
+    print("\n".join(lines), flush=True)
     return lines
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from fa_kernels import plan as fa_plan
 
-from . import _launch
+from . import _launch, _sharding
 
 ARRAY_NAMES = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k")
 
@@ -132,33 +132,23 @@ def _kinds(names, options: Options):
 # ------------------------------------------------------------------------------- the ops
 
 
-@functools.lru_cache(maxsize=None)
-def forward_op(options: Options):
-    """(q, k, v, bias, slopes, seed, cu_seqlens_q, cu_seqlens_k) -> (out, lse)."""
-
-    @jax.custom_batching.custom_vmap
-    def forward(*args):
-        arrays = dict(zip(ARRAY_NAMES, args))
-        problem = problem_of(arrays, options)
-        fwd = fa_plan.forward_plan(problem, capability=_launch.capability())
-        outputs = _launch.run(fwd.launch, arrays)
-        return outputs["out"], outputs["lse"]
-
-    forward.def_vmap(_batch_rule(forward, _kinds(ARRAY_NAMES, options), options))
-    return forward
-
-
+FORWARD_OUTPUTS = ("out", "lse")
 BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "dout", "dlse")
 
 
-@functools.lru_cache(maxsize=None)
-def backward_op(options: Options):
-    """(... the forward's arrays, out, lse, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
+def _kernel_body(kind: str, options: Options):
+    """The op on arrays of any size (the whole problem, or one shard of it)."""
+    names = ARRAY_NAMES if kind == "forward" else BACKWARD_NAMES
 
-    @jax.custom_batching.custom_vmap
-    def backward(*args):
-        arrays = dict(zip(BACKWARD_NAMES, args))
+    def body(*args):
+        arrays = dict(zip(names, args))
+        if options.dropout_p > 0:
+            arrays["seed"] = _sharding.with_offsets(arrays["seed"], *args[len(names):])
         problem = problem_of(arrays, options)
+        if kind == "forward":
+            fwd = fa_plan.forward_plan(problem, capability=_launch.capability())
+            outputs = _launch.run(fwd.launch, arrays)
+            return outputs["out"], outputs["lse"]
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
                                     bias_grad=options.has_bias)
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
@@ -167,6 +157,58 @@ def backward_op(options: Options):
             _launch.run(launch, arrays)
         grads = (arrays["dq"], arrays["dk"], arrays["dv"])
         return grads + ((arrays["dbias"],) if options.has_bias else ())
+
+    return body
+
+
+@functools.lru_cache(maxsize=1024)
+def _partitioned_op(kind: str, options: Options, signature: tuple):
+    """The kernel op of one kind, options and operand signature, as a custom_partitioning
+    function (cached: jax re-traces a new one on every eager call)."""
+    names = ARRAY_NAMES if kind == "forward" else BACKWARD_NAMES
+    shapes = [shape for shape, _ in signature]
+    arrays = {n: jax.ShapeDtypeStruct(shape, dtype) for n, (shape, dtype) in zip(names, signature)}
+    problem = problem_of(arrays, options)
+    in_names = names + (("batch_index", "head_index") if options.dropout_p > 0 else ())
+    if kind == "forward":
+        out_names, out_shapes = FORWARD_OUTPUTS, [problem.out_shape, problem.lse_shape]
+    else:
+        out_names = ("dq", "dk", "dv") + (("dbias",) if options.has_bias else ())
+        out_shapes = [problem.q_shape, problem.kv_shape, problem.kv_shape, problem.dbias_shape]
+    return _sharding.partitioned(_kernel_body(kind, options), in_names, shapes, out_names,
+                                 out_shapes[:len(out_names)], problem)
+
+
+def _call_op(kind: str, options: Options, args):
+    extras = ()
+    if options.dropout_p > 0:
+        names = ARRAY_NAMES if kind == "forward" else BACKWARD_NAMES
+        problem = problem_of(dict(zip(names, args)), options)
+        extras = _sharding.global_index_operands(problem)
+    operands = (*args, *extras)
+    signature = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in operands)
+    return tuple(_partitioned_op(kind, options, signature)(*operands))
+
+
+@functools.lru_cache(maxsize=None)
+def forward_op(options: Options):
+    """(q, k, v, bias, slopes, seed, cu_seqlens_q, cu_seqlens_k) -> (out, lse)."""
+
+    @jax.custom_batching.custom_vmap
+    def forward(*args):
+        return _call_op("forward", options, args)
+
+    forward.def_vmap(_batch_rule(forward, _kinds(ARRAY_NAMES, options), options))
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def backward_op(options: Options):
+    """(... the forward's arrays, out, lse, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
+
+    @jax.custom_batching.custom_vmap
+    def backward(*args):
+        return _call_op("backward", options, args)
 
     backward.def_vmap(_batch_rule(backward, _kinds(BACKWARD_NAMES, options), options))
     return backward
@@ -316,4 +358,6 @@ def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: 
     seed and dropout_p applies (for tests and debugging)."""
     launch = fa_plan.dropout_mask_plan(batch, heads, seqlen_q, seqlen_k, dropout_p,
                                        capability=_launch.capability())
-    return _launch.run(launch, {"seed": dropout_seed_array(dropout_seed)})["mask"].astype(bool)
+    seed = _sharding.with_offsets(dropout_seed_array(dropout_seed), jnp.zeros(1, jnp.int32),
+                                  jnp.zeros(1, jnp.int32))
+    return _launch.run(launch, {"seed": seed})["mask"].astype(bool)

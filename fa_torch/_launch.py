@@ -43,18 +43,24 @@ def run(launch, arrays: dict, device: torch.device) -> dict:
     """Allocate the launch's outputs, launch it, return them by name (adds to ``arrays``)."""
     outputs = {o.name: (torch.zeros if o.zeroed else torch.empty)(
         o.shape, dtype=TORCH_DTYPES[o.dtype], device=device) for o in launch.outputs}
-    if not launch.empty:
-        args = [arrays[name] if arrays.get(name) is not None else placeholder(device)
-                for name in launch.inputs]
-        args += list(launch.scalars) + list(outputs.values())
-        kernel = fa_kernels.kernel(launch.kernel)[launch.grid]
-        options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
-                       **launch.constexprs)
-        if runtime.interpreting():
-            with _INTERPRETER_LOCK:
-                kernel(*args, **options)
-        else:
-            with torch.cuda.device(device):
-                kernel(*args, **options)
+    launch_into(launch, arrays, outputs, device)
     arrays.update(outputs)
     return outputs
+
+
+def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> None:
+    """Launch into given output tensors (zeroed ones already zero). Inputs by name;
+    an input that is absent or None gets the placeholder."""
+    if launch.empty:
+        return
+    args = [arrays[name] if arrays.get(name) is not None else placeholder(device)
+            for name in launch.inputs]
+    args += list(launch.scalars) + [outputs[o.name] for o in launch.outputs]
+    kernel = fa_kernels.kernel(launch.kernel)[launch.grid]
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs)
+    if runtime.interpreting():
+        with _INTERPRETER_LOCK:
+            kernel(*args, **options)
+    else:
+        with torch.cuda.device(device):
+            kernel(*args, **options)

@@ -178,7 +178,8 @@ torch.library.register_autograd("fa_torch::attention_forward", _backward,
 
 
 def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
-    """The seed as the kernels take it: (2,) int32, low and high 32 bits.
+    """The seed as the kernels take it: (4,) int32, the low and high 32 bits of the
+    seed, then the batch and head offsets (0: this call holds the whole batch).
 
     None draws one from torch's default generator (so ``torch.manual_seed`` makes runs
     repeatable); an int is used as is; a tensor of 1 or 2 integers also.
@@ -202,7 +203,8 @@ def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
     else:
         raise TypeError(f"dropout_seed must be None, an int or an integer tensor; got "
                         f"{type(dropout_seed).__name__}")
-    return halves.to(torch.int32).to(device)
+    offsets = torch.zeros(2, dtype=torch.int64)
+    return torch.cat([halves.cpu(), offsets]).to(torch.int32).to(device)
 
 
 def _autocast(q, k, v):

@@ -149,10 +149,6 @@ def attention_backward_dkdv(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     cols = start_n + offs_n
-    seed_lo = 0
-    seed_hi = 0
-    if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(Seed)
 
     # Key rows past seqlen_k read as 0. They need no mask here: a key column of dS
     # only reaches its own rows of dK and dV, and those rows are not stored.
@@ -170,6 +166,12 @@ def attention_backward_dkdv(
     for g in range(GROUP_SIZE):
         head = head_k * GROUP_SIZE + g
         head64 = tl.cast(head, tl.int64)
+        seed_lo = 0
+        seed_hi = 0
+        mask_batch = batch
+        mask_head = head
+        if HAS_DROPOUT:
+            seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
         q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
         do_base = dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
@@ -183,7 +185,7 @@ def attention_backward_dkdv(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head, HEAD_DIM, BLOCK_D, True,
+                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
                 DOT_PRECISION)
         for start_m in range(full_lo, full_hi, BLOCK_M):
@@ -191,7 +193,7 @@ def attention_backward_dkdv(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head, HEAD_DIM, BLOCK_D, False,
+                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
                 DOT_PRECISION)
         for start_m in range(full_hi, hi, BLOCK_M):
@@ -199,7 +201,7 @@ def attention_backward_dkdv(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head, HEAD_DIM, BLOCK_D, True,
+                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
                 DOT_PRECISION)
 
@@ -315,8 +317,10 @@ def attention_backward_dq(
         slope = tl.load(Slopes + batch64 * stride_sb + head64)
     seed_lo = 0
     seed_hi = 0
+    mask_batch = batch
+    mask_head = head
     if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(Seed)
+        seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     lo, full_lo, full_hi, hi = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
@@ -326,21 +330,21 @@ def attention_backward_dq(
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
-                      batch, head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
+                      mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
                       HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
-                      batch, head, HEAD_DIM, BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
+                      mask_batch, mask_head, HEAD_DIM, BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
                       HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
-                      batch, head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
+                      mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
                       HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
 
     dq = dq * softmax_scale

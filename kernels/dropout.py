@@ -17,12 +17,12 @@ def dropout_mask(
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    seed_lo, seed_hi = load_seed(Seed)
+    seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
     rows = start_m + tl.arange(0, BLOCK_M)
     base = (Mask + tl.cast(batch, tl.int64) * stride_mb + tl.cast(head, tl.int64) * stride_mh
             + tl.cast(rows[:, None], tl.int64) * stride_mm)
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        keep = dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :], dropout_p)
+        keep = dropout_keep(seed_lo, seed_hi, mask_batch, mask_head, rows[:, None], cols[None, :], dropout_p)
         tl.store(base + cols[None, :], keep.to(tl.int8),
                  mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))

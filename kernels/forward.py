@@ -103,8 +103,10 @@ def attention_forward(
         slope = tl.load(Slopes + batch64 * stride_sb + head64)
     seed_lo = 0
     seed_hi = 0
+    mask_batch = batch
+    mask_head = head
     if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(Seed)
+        seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
     q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -118,21 +120,21 @@ def attention_forward(
             acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-            seed_lo, seed_hi, dropout_p, batch, head, HEAD_DIM, BLOCK_D, True,
+            seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-            seed_lo, seed_hi, dropout_p, batch, head, HEAD_DIM, BLOCK_D, False,
+            seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-            seed_lo, seed_hi, dropout_p, batch, head, HEAD_DIM, BLOCK_D, True,
+            seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
 
     # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0.

@@ -217,11 +217,17 @@ def dropout_keep(seed_lo, seed_hi, batch, head, rows_q, cols_k, dropout_p):
 
 
 @triton.jit
-def load_seed(Seed):
-    """The two 32-bit halves of the dropout seed (stored as int32)."""
+def load_seed(Seed, batch, head):
+    """The dropout key and the global (batch, head) of this program's rows.
+
+    ``Seed`` holds four int32: the two 32-bit halves of the seed, then the global index
+    of the launch's first batch entry and first head. Those are 0 unless a sharded
+    caller runs the kernel on a slice of the batch or heads; with them a shard draws
+    exactly the rows of the unsharded mask.
+    """
     seed_lo = tl.load(Seed).to(tl.uint32, bitcast=True)
     seed_hi = tl.load(Seed + 1).to(tl.uint32, bitcast=True)
-    return seed_lo, seed_hi
+    return seed_lo, seed_hi, batch + tl.load(Seed + 2), head + tl.load(Seed + 3)
 
 
 @triton.jit

@@ -11,9 +11,15 @@ which is also the argument order ``jax_triton.triton_call`` uses (arrays and
 scalars positionally, outputs appended, constexprs as keywords). Inputs a problem
 does not use (no bias, no dropout...) are still passed, as any 1-element array:
 their constexpr flag is off, so the kernel never touches them.
+
+The dropout ``seed`` input is (4,) int32: the low and high halves of the 64-bit seed,
+then the global index of the launch's first batch entry and first head (0, 0 unless
+a sharded caller launches on a slice), so that the keep mask stays a function of
+(seed, batch, head, i, j) alone.
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -56,6 +62,24 @@ class Launch:
     def empty(self) -> bool:
         """True when the grid has no program (some dimension is 0): skip the launch."""
         return math.prod(self.grid) == 0
+
+    def to_json(self) -> str:
+        """The launch as text, for a host callback to rebuild it (``Launch.from_json``)."""
+        return json.dumps(dict(kernel=self.kernel, grid=self.grid, inputs=self.inputs,
+                               scalars=self.scalars,
+                               outputs=[[o.name, o.shape, o.dtype, o.zeroed] for o in self.outputs],
+                               constexprs=self.constexprs, num_warps=self.num_warps,
+                               num_stages=self.num_stages), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Launch":
+        d = json.loads(text)
+        return cls(kernel=d["kernel"], grid=tuple(d["grid"]), inputs=tuple(d["inputs"]),
+                   scalars=tuple(d["scalars"]),
+                   outputs=tuple(Output(n, tuple(shape), dtype, zeroed)
+                                 for n, shape, dtype, zeroed in d["outputs"]),
+                   constexprs=d["constexprs"], num_warps=d["num_warps"],
+                   num_stages=d["num_stages"])
 
 
 @dataclass(frozen=True)
@@ -506,7 +530,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
 def dropout_mask_plan(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
                       *, capability: tuple[int, int] | None) -> Launch:
     """The keep mask (batch, heads, seqlen_q, seqlen_k) int8 that attention draws for
-    this seed; input ``seed`` (2,) int32."""
+    this seed; input ``seed`` (4,) int32 as the attention kernels take it."""
     dropout_p = _real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")

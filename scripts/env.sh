@@ -28,10 +28,7 @@ try:
     gpu = ctypes.CDLL("libcuda.so.1").cuInit(0) == 0
 except OSError:
     gpu = False
-if gpu:
-    if importlib.util.find_spec("jax_triton") is None:
-        sys.exit(1)
-elif version("numpy") >= (2, 4):  # the interpreter needs numpy < 2.4 (triton#9171)
+if not gpu and version("numpy") >= (2, 4):  # the interpreter needs numpy < 2.4 (triton#9171)
     sys.exit(1)
 PY
 }

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# One call on the lent H200: carry .whl (jax-triton, which the image lacks), then
-#   bash scripts/gpu_session.sh [test|bench|memcheck|all] ...
-# Logs go to $OUT when it is set. The bench table prints last.
+# One call on the lent H200 (carry .whl when it holds wheels the image lacks):
+#   bash scripts/gpu_session.sh STEP...      STEP: test | memcheck | bench | compare | tune |
+#                                                  examples | "any python args"
+# Logs go to $OUT when it is set. Each step prints a short summary; tables print last.
 set -uo pipefail
 out="${OUT:-/tmp/fa_out}"; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, jax, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'numpy', numpy.__version__, jax.devices())"
 py="$(./scripts/env.sh)" || exit 1
 for step in "$@"; do
+  echo "=== $step ($(date +%T))"
   case "$step" in
     test)
-      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider ${TEST_ARGS:-tests} \
-        2>&1 | tee "$out/test.log" | grep -v "^\.*$" | tail -40 ;;
+      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider ${TEST_ARGS:-tests} \
+        2>&1 | tee "$out/test.log" | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -40 ;;
     memcheck)
       timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
         "$py" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_features.py -k "torch and (test_gqa or 113x70 or (head_dims and bfloat16 and True) or combined or (window and 64x130))" \
@@ -22,6 +26,15 @@ for step in "$@"; do
     bench)
       timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$out" \
         2> "$out/bench.err" ; tail -5 "$out/bench.err"; cat "$out/RESULTS.md" 2>/dev/null ;;
-    *) "$py" "$step" ;;
+    compare)
+      timeout "${COMPARE_TIMEOUT:-240}" "$py" benchmarks/launch_compare.py ${COMPARE_ARGS:-} 2>&1 \
+        | tee "$out/compare.log" | grep -v "^\s*$" | tail -25 ;;
+    tune)
+      timeout "${TUNE_TIMEOUT:-360}" "$py" benchmarks/tune.py ${TUNE_ARGS:-} --out "$out" \
+        2> "$out/tune.err" | tee "$out/tune.log" | tail -30 ;;
+    examples)
+      timeout "${EXAMPLES_TIMEOUT:-300}" "$py" benchmarks/step_time.py --out "$out" 2>&1 \
+        | tee "$out/examples.log" | tail -20 ;;
+    *) "$py" $step ;;
   esac
 done
