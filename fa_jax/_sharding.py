@@ -52,8 +52,10 @@ def roles(name: str, shape, problem) -> tuple:
     return (None,) * len(shape)
 
 
-def _rule(in_roles, out_roles, group: int):
-    """The Shardy rule string, with q heads as the compound factor (k g)."""
+def _rule(in_roles, out_roles, group: int, heads_k: int):
+    """The Shardy rule string, with q heads as the compound factor (k g) (just k without
+    GQA; just g for MQA, where Shardy refuses a compound with a size-1 factor)."""
+    heads = "k" if group == 1 else ("g" if heads_k == 1 else "(k g)")
     unique = iter(range(1_000_000))
 
     def dims(rs):
@@ -62,7 +64,7 @@ def _rule(in_roles, out_roles, group: int):
             if r is None:
                 out.append(f"r{next(unique)}")
             elif r == "h":
-                out.append("(k g)" if group > 1 else "k")
+                out.append(heads)
             else:
                 out.append(r)
         return " ".join(out)
@@ -73,7 +75,7 @@ def _rule(in_roles, out_roles, group: int):
     words = text.replace("(", " ").replace(")", " ").replace(",", " ").split()
     factors = list(dict.fromkeys(w for w in words if w != "->"))
     replicated = tuple(f for f in factors if f not in SHARDABLE)
-    sizes = {"g": group} if group > 1 else {}
+    sizes = {"g": group} if heads == "(k g)" else {}
     return text, replicated, sizes
 
 
@@ -106,7 +108,7 @@ def partitioned(body, in_names, in_shapes, out_names, out_shapes, problem):
     """``body`` (arrays -> tuple of arrays, any sizes) as a custom_partitioning op."""
     in_roles = [roles(n, s, problem) for n, s in zip(in_names, in_shapes)]
     out_roles = [roles(n, s, problem) for n, s in zip(out_names, out_shapes)]
-    rule, replicated, sizes = _rule(in_roles, out_roles, problem.group_size)
+    rule, replicated, sizes = _rule(in_roles, out_roles, problem.group_size, problem.heads_k)
 
     op = custom_partitioning(body)
 

@@ -38,6 +38,12 @@ class MultiheadAttention(nn.Module):
         q = q.view(batch, seqlen, self.num_heads, self.head_dim)
         k = k.view(batch, seqlen, self.num_kv_heads, self.head_dim)
         v = v.view(batch, seqlen, self.num_kv_heads, self.head_dim)
-        out = attention(q, k, v, causal=self.causal, bias=bias, window_size=self.window_size,
-                        softcap=self.softcap, dropout_p=self.dropout if self.training else 0.0)
+        out = self.attend(q, k, v, bias)
         return self.out_proj(out.reshape(batch, seqlen, self.embed_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, seqlen, heads, head_dim) in, the same out; override to compare with
+        another attention (examples/torch_lm.py puts torch SDPA here)."""
+        return attention(q, k, v, causal=self.causal, bias=bias, window_size=self.window_size,
+                         softcap=self.softcap, dropout_p=self.dropout if self.training else 0.0)
