@@ -43,10 +43,14 @@ def flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, mode):
     return f * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
-def bench_torch(fn, warmup_ms=100, rep_ms=500):
+REP_MS = int(os.environ.get("FA_BENCH_REP_MS", 500))  # time per measurement, after warm-up
+
+
+def bench_torch(fn):
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=max(25, REP_MS // 5), rep=REP_MS,
+                                   return_mode="median")
 
 
 def bench_jax(fn, args, reps=20, rounds=7):

@@ -88,8 +88,9 @@ def jax_side(shape, causal, inputs, iters):
         def looped(q, k, v, dout, fn=fn):
             def body(i, carry):
                 q, acc = carry
-                first = jax.tree_util.tree_leaves(fn(q, k, v, dout))[0]
-                acc = acc + first[0, 0, 0, 0].astype(jnp.float32)
+                # one element of every result, so that none is dead code
+                for leaf in jax.tree_util.tree_leaves(fn(q, k, v, dout)):
+                    acc = acc + leaf[0, 0, 0, 0].astype(jnp.float32)
                 # feed the result back (one element) so no call can be hoisted or elided
                 return q.at[0, 0, 0, 0].set((acc * 0).astype(q.dtype) + q[0, 0, 0, 0]), acc
             return jax.lax.fori_loop(0, iters, body, (q, jnp.float32(0)))[1]
@@ -117,8 +118,7 @@ def main():
               for h in (heads_q, heads_k, heads_k, heads_q)]
     launchers = ["custom_call"]
     try:
-        import jax_triton  # noqa: F401
-
+        jax_launch._jax_triton()  # (restores TRITON_CACHE_DIR, which jax_triton clears)
         launchers.append("jax_triton")
     except Exception as exc:  # noqa: BLE001
         print(f"jax_triton not usable here: {type(exc).__name__}: {exc}"[:200])

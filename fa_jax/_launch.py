@@ -22,6 +22,7 @@ comparison when it is installed.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import json
@@ -108,11 +109,28 @@ def _target() -> str:
         (CPU_TARGET, "cpu", _CPU_SIGNATURE, _interpret_on_cpu))
     with _REGISTER_LOCK:
         if name not in _REGISTERED:
+            # Everything a handler needs is imported now: handlers may run late (XLA runs
+            # asynchronously), even at interpreter exit, when imports can fail.
+            import torch  # noqa: F401
+
+            from fa_kernels import registry  # noqa: F401
+            from fa_torch import _launch as torch_launch  # noqa: F401
+
             function = signature(handler)  # kept alive for the life of the process
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(function), platform=platform,
                                         api_version=0)
             _REGISTERED[name] = function
+            atexit.register(_drain)
     return name
+
+
+def _drain() -> None:
+    """At exit, wait for computations still in flight: their custom calls need the GIL,
+    which the interpreter's finalisation would hold while it waits for them."""
+    try:
+        jax.block_until_ready(jax.live_arrays())
+    except Exception:  # noqa: BLE001  (an array already deleted, a backend gone)
+        pass
 
 
 @functools.lru_cache(maxsize=4096)

@@ -17,8 +17,9 @@ for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
     test)
-      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider ${TEST_ARGS:-tests} \
-        2>&1 | tee "$out/test.log" | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -40 ;;
+      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -n "${WORKERS:-12}" -p no:cacheprovider \
+        -p no:benchmark -rfE -v ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-tests} \
+        > "$out/test.log" 2>&1; grep -E "FAILED|ERROR" "$out/test.log" | head -30; tail -3 "$out/test.log" ;;
     memcheck)
       timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
         "$py" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_features.py -k "torch and (test_gqa or 113x70 or (head_dims and bfloat16 and True) or combined or (window and 64x130))" \
@@ -33,7 +34,7 @@ for step in "$@"; do
       timeout "${TUNE_TIMEOUT:-360}" "$py" benchmarks/tune.py ${TUNE_ARGS:-} --out "$out" \
         2> "$out/tune.err" | tee "$out/tune.log" | tail -30 ;;
     examples)
-      timeout "${EXAMPLES_TIMEOUT:-300}" "$py" benchmarks/step_time.py --out "$out" 2>&1 \
+      timeout "${EXAMPLES_TIMEOUT:-300}" "$py" benchmarks/step_time.py ${STEP_ARGS:-} --out "$out" 2>&1 \
         | tee "$out/examples.log" | tail -20 ;;
     *) "$py" $step ;;
   esac

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from .common import ON_GPU, check_against_reference, run_torch
 
-EXAMPLES = int(os.environ.get("FA_HYPOTHESIS_EXAMPLES", 60 if ON_GPU else 12))
+EXAMPLES = int(os.environ.get("FA_HYPOTHESIS_EXAMPLES", 25 if ON_GPU else 12))
 
 
 @st.composite
