@@ -5,7 +5,8 @@ each framework's own, on the GPU.
 
 torch (examples/torch_lm.py): ``ours`` (fa_torch) and ``native`` (torch SDPA, whichever
 backend it picks). Flax (examples/flax_lm.py, one jitted step): ``ours`` (fa_jax),
-``native`` (``jax.nn.dot_product_attention`` choosing its implementation), ``xla``.
+``native`` (``jax.nn.dot_product_attention`` choosing its implementation), ``cudnn``,
+``xla``.
 Each: a few warm-up steps (compiles), then the mean of ``--steps`` back-to-back steps.
 Prints a markdown table (also written to DIR/STEP_TIME.md).
 """
@@ -76,7 +77,7 @@ def main():
     args = parser.parse_args()
     config = SIZES[args.size]
     runs = [("torch", "ours"), ("torch", "native"), ("flax", "ours"), ("flax", "native"),
-            ("flax", "xla")]
+            ("flax", "cudnn"), ("flax", "xla")]
     times = {}
     for framework, attention in runs:
         fn = torch_step_time if framework == "torch" else flax_step_time

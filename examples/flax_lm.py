@@ -11,7 +11,6 @@ its implementation (cuDNN where it can), ``xla`` and ``cudnn`` force one.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -29,8 +28,8 @@ import optax  # noqa: E402
 
 import fa_jax  # noqa: E402
 from fa_kernels import runtime  # noqa: E402
-from lm_common import (SIZES, VOCAB, LMConfig, batches, learning_rate, load_text,  # noqa: E402
-                       progress, report)
+from lm_common import (VOCAB, LMConfig, batches, command_line, learning_rate,  # noqa: E402
+                       load_text, progress, report)
 
 INIT = nn.initializers.normal(0.02)
 
@@ -43,11 +42,15 @@ def attend(q, k, v, attention: str):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-class SelfAttention(nn.Module):
-    """Fused qkv projection (as fa_torch.nn.MultiheadAttention), attention, output."""
+class Part(nn.Module):
+    """A piece of the model: its sizes, which attention, the compute dtype."""
     config: LMConfig
     attention: str
     dtype: jnp.dtype
+
+
+class SelfAttention(Part):
+    """Fused qkv projection (as fa_torch.nn.MultiheadAttention), attention, output."""
 
     @nn.compact
     def __call__(self, x):
@@ -63,11 +66,7 @@ class SelfAttention(nn.Module):
         return nn.Dense(c.embed, kernel_init=INIT, dtype=self.dtype, name="out_proj")(out)
 
 
-class Block(nn.Module):
-    config: LMConfig
-    attention: str
-    dtype: jnp.dtype
-
+class Block(Part):
     @nn.compact
     def __call__(self, x):
         c = self.config
@@ -146,19 +145,9 @@ def train(config: LMConfig, attention: str = "ours", seed: int = 0, quiet: bool 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attention", choices=["ours", "native", "xla", "cudnn"], default="ours")
-    parser.add_argument("--size", choices=sorted(SIZES), default=None,
-                        help="tiny on the CPU, gpu on the GPU by default")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    config = SIZES[args.size or ("tiny" if runtime.interpreting() else "gpu")]
-    if args.steps:
-        config = LMConfig(**{**config.__dict__, "steps": args.steps})
+    args, config = command_line(__doc__, ["ours", "native", "xla", "cudnn"], argv)
     losses, val_loss, seconds = train(config, args.attention, args.seed)
-    report(f"flax_lm ({args.attention} attention, {config.layers} layers, embed "
-           f"{config.embed}, seqlen {config.seqlen})", losses, val_loss, seconds)
+    report("flax_lm", args.attention, config, losses, val_loss, seconds)
     return losses
 
 

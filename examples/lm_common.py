@@ -83,8 +83,29 @@ def progress(steps: int, label: str):
         return range(steps)
 
 
-def report(label: str, losses: list[float], val_loss: float, seconds: float) -> None:
+def command_line(doc: str, attentions: list[str], argv=None):
+    """(args, config) from an example's command line."""
+    import argparse
+
+    from fa_kernels import runtime
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--attention", choices=attentions, default="ours")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help="tiny on the CPU, gpu on the GPU by default")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    config = SIZES[args.size or ("tiny" if runtime.interpreting() else "gpu")]
+    if args.steps:
+        config = LMConfig(**{**config.__dict__, "steps": args.steps})
+    return args, config
+
+
+def report(example: str, attention: str, config: LMConfig, losses: list[float],
+           val_loss: float, seconds: float) -> None:
     first = float(np.mean(losses[:5]))
     last = float(np.mean(losses[-5:]))
-    print(f"{label}: train loss {first:.3f} -> {last:.3f} (mean of first / last 5 steps), "
-          f"validation loss {val_loss:.3f}, {seconds:.1f} s")
+    print(f"{example} ({attention} attention, {config.layers} layers, embed {config.embed}, "
+          f"seqlen {config.seqlen}): train loss {first:.3f} -> {last:.3f} (mean of first / "
+          f"last 5 steps), validation loss {val_loss:.3f}, {seconds:.1f} s")

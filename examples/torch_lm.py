@@ -11,7 +11,6 @@ described in examples/lm_common.py; examples/flax_lm.py is the same in Flax.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -26,8 +25,8 @@ from torch import nn  # noqa: E402
 
 import fa_torch  # noqa: E402
 from fa_kernels import runtime  # noqa: E402
-from lm_common import (SIZES, VOCAB, LMConfig, batches, learning_rate, load_text,  # noqa: E402
-                       progress, report)
+from lm_common import (VOCAB, LMConfig, batches, command_line, learning_rate,  # noqa: E402
+                       load_text, progress, report)
 
 
 class SdpaAttention(fa_torch.nn.MultiheadAttention):
@@ -132,19 +131,9 @@ def train(config: LMConfig, attention: str = "ours", seed: int = 0, quiet: bool 
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--attention", choices=["ours", "native"], default="ours")
-    parser.add_argument("--size", choices=sorted(SIZES), default=None,
-                        help="tiny on the CPU, gpu on the GPU by default")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    config = SIZES[args.size or ("tiny" if runtime.interpreting() else "gpu")]
-    if args.steps:
-        config = LMConfig(**{**config.__dict__, "steps": args.steps})
+    args, config = command_line(__doc__, ["ours", "native"], argv)
     losses, val_loss, seconds = train(config, args.attention, args.seed)
-    report(f"torch_lm ({args.attention} attention, {config.layers} layers, embed "
-           f"{config.embed}, seqlen {config.seqlen})", losses, val_loss, seconds)
+    report("torch_lm", args.attention, config, losses, val_loss, seconds)
     return losses
 
 

@@ -6,15 +6,15 @@ interpreter on before triton is imported).
 """
 import fa_kernels  # noqa: F401  (decides interpreter vs compiled before triton loads)
 
-from .ops import attention, attention_varlen, dropout_mask
+from .ops import attention, attention_backward, attention_varlen, dropout_mask
 
-__all__ = ["attention", "attention_varlen", "dropout_mask"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "dropout_mask", "ring"]
 
 
 def __getattr__(name):
     # ``fa_jax.flax`` without importing Flax for users who do not use it.
-    if name == "flax":
+    if name in ("flax", "ring"):
         import importlib
 
-        return importlib.import_module(".flax", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fa_jax' has no attribute {name!r}")

@@ -361,3 +361,27 @@ def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: 
     seed = _sharding.with_offsets(dropout_seed_array(dropout_seed), jnp.zeros(1, jnp.int32),
                                   jnp.zeros(1, jnp.int32))
     return _launch.run(launch, {"seed": seed})["mask"].astype(bool)
+
+
+def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False,
+                       softmax_scale: float | None = None):
+    """The kernels' backward on its own: (dq, dk, dv) of attention(q, k, v) for the
+    output gradient ``dout``, given ``out`` and ``lse`` of the forward.
+
+    ``out`` and ``lse`` may belong to a larger attention of which (k, v) is one part:
+    with the merged output and LSE, the result is that part's share of the gradients
+    (ring attention, ``fa_jax.ring``, sums these shares around the ring).
+    """
+    _check_arrays({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout})
+    probe = Options(causal, softmax_scale, (-1, -1), 0.0, 0.0, False, False, False)
+    problem = problem_of({"q": q, "k": k, "v": v}, probe)
+    for name, x, shape in (("out", out, problem.out_shape), ("dout", dout, problem.out_shape),
+                           ("lse", lse, problem.lse_shape)):
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
+    options = Options(problem.causal, problem.softmax_scale, (-1, -1), 0.0, 0.0, False, False,
+                      False)
+    unused = [_launch.placeholder() for _ in ARRAY_NAMES[3:]]
+    grads = backward_op(options)(q, k, v, *unused, out, lse.astype(jnp.float32), dout,
+                                 jnp.zeros(lse.shape, jnp.float32))
+    return grads[:3]

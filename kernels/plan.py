@@ -355,6 +355,25 @@ def check_cu_seqlens(name: str, values, total: int) -> None:
         raise ValueError(f"{name} must end at the number of tokens ({total}); got {values[-1]}")
 
 
+RING_LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_ring(q_shape: Shape, k_shape: Shape, v_shape: Shape, causal: bool, layout: str) -> str:
+    """Validate one rank's slices for ring attention; returns the layout to use (the
+    layout only matters for causal attention: without it every slice is alike)."""
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"layout must be one of {RING_LAYOUTS}; got {layout!r}")
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        _check_rank(name, tuple(shape), 4, "(batch, seqlen_local, heads, head_dim)")
+    if q_shape[1] != k_shape[1]:
+        raise ValueError(f"q and k must hold the same sequence slice length; got q "
+                         f"{tuple(q_shape)}, k {tuple(k_shape)}")
+    if layout == "zigzag" and causal and q_shape[1] % 2:
+        raise ValueError(f"the zigzag layout holds two chunks per device: the local seqlen "
+                         f"must be even; got {q_shape[1]}")
+    return layout if causal else "contiguous"
+
+
 def contiguous_strides(shape: Shape) -> Shape:
     """Row-major element strides of a shape (what jax arrays and new outputs have)."""
     strides, step = [], 1

@@ -52,7 +52,7 @@ else
     base="$(command -v python3.11 || command -v python3)"
     [ -x "$py" ] || "$base" -m venv "$root/.venv" >&2
     "$py" -m pip install -q -c constraints-cpu.txt setuptools wheel \
-      torch triton jax jaxlib jax-triton "numpy<2.4" pytest pytest-xdist hypothesis flax \
+      torch triton jax jaxlib "numpy<2.4" pytest pytest-xdist hypothesis flax optax \
       matplotlib tqdm 2>&1 | grep -v "^WARNING: Location" >&2 || true
     satisfied "$py" || { echo "env.sh: the install did not give the required packages" >&2; exit 1; }
   fi

@@ -1,0 +1,200 @@
+"""Ring attention (context parallelism): the sequence sharded over a mesh axis.
+
+Inside ``shard_map``, each of the ``n`` devices on ``axis_name`` holds a slice of the
+sequence of q, k and v. The K/V slices travel around the ring (``lax.ppermute``), one
+hop per step; at each step a device attends its queries to the K/V slice it holds with
+the ordinary kernels and merges the partial result with its LSE:
+
+    lse = logaddexp(lse_a, lse_b)      out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse)
+
+The backward runs the ring again: with the merged (global) out and LSE, the kernels'
+backward on one K/V slice gives exactly that slice's share of dq, dk and dv; dq stays,
+and dk, dv travel with their K/V slice and reach its owner after the last hop. Memory
+per device stays one slice of q, k, v (no device ever holds the whole sequence).
+
+Causal attention with the sequence cut into ``n`` contiguous slices leaves device 0
+one block of work and device n-1 n blocks. The ``"zigzag"`` layout balances it: the
+sequence is cut into ``2n`` chunks and device i holds chunks i and 2n-1-i, so every
+step costs every device the same (``zigzag`` / ``unzigzag`` reorder a global array).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from fa_kernels import plan as fa_plan
+
+from . import ops
+
+
+def zigzag(x, n: int, axis: int = 1):
+    """Global sequence order -> zigzag order for ``n`` devices (chunks i, 2n-1-i)."""
+    chunks = jnp.split(x, 2 * n, axis=axis)
+    order = [c for i in range(n) for c in (chunks[i], chunks[2 * n - 1 - i])]
+    return jnp.concatenate(order, axis=axis)
+
+
+def unzigzag(x, n: int, axis: int = 1):
+    """Inverse of ``zigzag``."""
+    chunks = jnp.split(x, 2 * n, axis=axis)
+    out = [None] * (2 * n)
+    for i in range(n):
+        out[i], out[2 * n - 1 - i] = chunks[2 * i], chunks[2 * i + 1]
+    return jnp.concatenate(out, axis=axis)
+
+
+def ring_attention(q, k, v, axis_name, *, causal: bool = False, softmax_scale=None,
+                   layout: str = "zigzag"):
+    """Attention of this device's slice of q against the whole sequence of k and v.
+
+    Call inside ``shard_map`` (or see ``ring_attention_sharded``). q ``(B, S_local, Hq, D)``,
+    k and v ``(B, S_local, Hk, D)``: this device's slice of a sequence sharded over
+    ``axis_name``, in ``layout`` order ("contiguous" slices, or "zigzag", which balances
+    causal work). Differentiable. Returns this device's slice of the output.
+    """
+    layout = fa_plan.check_ring(q.shape, k.shape, v.shape, causal, layout)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return _ring(axis_name, bool(causal), scale, layout)(q, k, v)
+
+
+def ring_attention_sharded(q, k, v, mesh, axis_name, *, causal: bool = False,
+                           softmax_scale=None, layout: str = "zigzag", batch_axis=None,
+                           head_axis=None):
+    """``ring_attention`` over global arrays whose sequence (dim 1) is sharded over
+    ``axis_name`` of ``mesh`` (already in ``layout`` order: see ``zigzag``); batch and
+    heads may be sharded over other mesh axes too."""
+    spec = P(batch_axis, axis_name, head_axis, None)
+    fn = functools.partial(ring_attention, axis_name=axis_name, causal=causal,
+                           softmax_scale=softmax_scale, layout=layout)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         check_vma=False)(q, k, v)
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def _merge(out, lse, out_b, lse_b):
+    """Merge two partial attentions by their LSEs (fp32; -inf rows contribute nothing)."""
+    new = jnp.logaddexp(lse, lse_b)
+    safe = jnp.where(jnp.isneginf(new), 0.0, new)
+    wa = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - safe))
+    wb = jnp.where(jnp.isneginf(lse_b), 0.0, jnp.exp(lse_b - safe))
+    to_rows = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # (B, H, S) -> (B, S, H, 1)  # noqa: E731
+    return out * to_rows(wa) + out_b.astype(jnp.float32) * to_rows(wb), new
+
+
+def _attend(q, k, v, causal, scale):
+    out, lse = ops.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    return out.astype(jnp.float32), lse
+
+
+def _grads(q, k, v, out, lse, dout, causal, scale):
+    return ops.attention_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=scale)
+
+
+def _pad_rows(out, lse, rows_before):
+    """A result for the second half of the local rows, as one for all of them."""
+    out = jnp.concatenate([jnp.zeros_like(out[:, :rows_before]), out], axis=1)
+    lse = jnp.concatenate([jnp.full_like(lse[..., :rows_before], -jnp.inf), lse], axis=-1)
+    return out, lse
+
+
+def _step_forward(q, k, v, step, source, me, causal, scale, layout):
+    """(out, lse) of the local queries against the K/V slice of device ``source``."""
+    if step == 0 or not causal:  # the own slice (causal on it in either layout), or all
+        return _attend(q, k, v, causal and step == 0, scale)
+    if layout == "contiguous":  # earlier slices fully visible, later ones not at all
+        def visible():
+            return _attend(q, k, v, False, scale)
+
+        def hidden():
+            return (jnp.zeros(q.shape, jnp.float32),
+                    jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))
+        return jax.lax.cond(source < me, visible, hidden)
+    half = q.shape[1] // 2
+
+    def earlier():  # source < me: all queries see the source's first chunk, not its second
+        return _attend(q, k[:, :half], v[:, :half], False, scale)
+
+    def later():  # source > me: only the second chunk of queries sees it, all of it
+        return _pad_rows(*_attend(q[:, half:], k, v, False, scale), half)
+    return jax.lax.cond(source < me, earlier, later)
+
+
+def _step_backward(q, k, v, out, lse, dout, step, source, me, causal, scale, layout):
+    """(dq, dk, dv) shares of the K/V slice of device ``source``, all fp32."""
+    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
+    if step == 0 or not causal:
+        return f32(*_grads(q, k, v, out, lse, dout, causal and step == 0, scale))
+    if layout == "contiguous":
+        def visible():
+            return f32(*_grads(q, k, v, out, lse, dout, False, scale))
+
+        def hidden():
+            return f32(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+        return jax.lax.cond(source < me, visible, hidden)
+    half = q.shape[1] // 2
+
+    def earlier():
+        dq, dk, dv = f32(*_grads(q, k[:, :half], v[:, :half], out, lse, dout, False, scale))
+        pad = jnp.zeros_like(dk)
+        return dq, jnp.concatenate([dk, pad], 1), jnp.concatenate([dv, pad], 1)
+
+    def later():
+        dq, dk, dv = f32(*_grads(q[:, half:], k, v, out[:, half:], lse[..., half:],
+                                 dout[:, half:], False, scale))
+        return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
+    return jax.lax.cond(source < me, earlier, later)
+
+
+@functools.lru_cache(maxsize=None)
+def _ring(axis_name, causal, scale, layout):
+    def forward(q, k, v):
+        n = jax.lax.axis_size(axis_name)
+        me = jax.lax.axis_index(axis_name)
+        to_next = [(j, (j + 1) % n) for j in range(n)]
+        out = jnp.zeros(q.shape, jnp.float32)
+        lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+        k_here, v_here = k, v
+        for step in range(n):
+            source = (me - step) % n
+            out, lse = _merge(out, lse, *_step_forward(q, k_here, v_here, step, source, me,
+                                                       causal, scale, layout))
+            if step < n - 1:
+                k_here, v_here = jax.lax.ppermute((k_here, v_here), axis_name, to_next)
+        return out.astype(q.dtype), lse
+
+    @jax.custom_vjp
+    def ring(q, k, v):
+        return forward(q, k, v)[0]
+
+    def ring_fwd(q, k, v):
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def ring_bwd(residuals, dout):
+        q, k, v, out, lse = residuals
+        n = jax.lax.axis_size(axis_name)
+        me = jax.lax.axis_index(axis_name)
+        to_next = [(j, (j + 1) % n) for j in range(n)]
+        dq = jnp.zeros(q.shape, jnp.float32)
+        dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+        k_here, v_here = k, v
+        for step in range(n):
+            source = (me - step) % n
+            dq_s, dk_s, dv_s = _step_backward(q, k_here, v_here, out, lse, dout, step, source,
+                                              me, causal, scale, layout)
+            dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+            # dk, dv travel with their K/V slice; the last hop takes them home.
+            if step < n - 1:
+                k_here, v_here, dk, dv = jax.lax.ppermute((k_here, v_here, dk, dv), axis_name,
+                                                          to_next)
+            else:
+                dk, dv = jax.lax.ppermute((dk, dv), axis_name, to_next)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring
