@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -130,15 +131,11 @@ def partitioned(body, in_names, in_shapes, out_names, out_shapes, problem):
 
 def global_index_operands(problem):
     """The iota operands that tell a shard its first global batch entry and head."""
-    import jax.numpy as jnp
-
     batch = jnp.arange(1 if problem.varlen else problem.batch, dtype=jnp.int32)
     return batch, jnp.arange(problem.heads_q, dtype=jnp.int32)
 
 
 def with_offsets(seed, batch_index, head_index):
     """The kernels' (4,) seed: the seed's two words, then this shard's offsets."""
-    import jax.numpy as jnp
-
     return jnp.concatenate([seed[:2], batch_index[:1], head_index[:1]]).astype(jnp.int32)
 
