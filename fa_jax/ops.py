@@ -134,11 +134,12 @@ def _kinds(names, options: Options):
 
 FORWARD_OUTPUTS = ("out", "lse")
 BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "dout", "dlse")
+OPERANDS = {"forward": ARRAY_NAMES, "backward": BACKWARD_NAMES}
 
 
 def _kernel_body(kind: str, options: Options):
     """The op on arrays of any size (the whole problem, or one shard of it)."""
-    names = ARRAY_NAMES if kind == "forward" else BACKWARD_NAMES
+    names = OPERANDS[kind]
 
     def body(*args):
         arrays = dict(zip(names, args))
@@ -165,7 +166,7 @@ def _kernel_body(kind: str, options: Options):
 def _partitioned_op(kind: str, options: Options, signature: tuple):
     """The kernel op of one kind, options and operand signature, as a custom_partitioning
     function (cached: jax re-traces a new one on every eager call)."""
-    names = ARRAY_NAMES if kind == "forward" else BACKWARD_NAMES
+    names = OPERANDS[kind]
     shapes = [shape for shape, _ in signature]
     arrays = {n: jax.ShapeDtypeStruct(shape, dtype) for n, (shape, dtype) in zip(names, signature)}
     problem = problem_of(arrays, options)
@@ -182,8 +183,7 @@ def _partitioned_op(kind: str, options: Options, signature: tuple):
 def _call_op(kind: str, options: Options, args):
     extras = ()
     if options.dropout_p > 0:
-        names = ARRAY_NAMES if kind == "forward" else BACKWARD_NAMES
-        problem = problem_of(dict(zip(names, args)), options)
+        problem = problem_of(dict(zip(OPERANDS[kind], args)), options)
         extras = _sharding.global_index_operands(problem)
     operands = (*args, *extras)
     signature = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in operands)
