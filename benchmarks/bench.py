@@ -6,10 +6,15 @@ Pallas' Triton attention. FLOPs follow flash-attn: 4*B*H*Sq*Sk*D for the forward
 halved when causal; forward+backward counts 3.5x the forward. Each time is the median
 of many runs after warm-up, on random inputs.
 
-    python benchmarks/bench.py [--quick] [--window W] [--out benchmarks]   # RESULTS.md, bench.png
+    python benchmarks/bench.py [--quick] [--window W]... [--peers a,b] [--memory]
+                               [--shape B,S,Hq,Hk,D,causal | B,Sq,Sk,Hq,Hk,D,causal]...
+                               [--out benchmarks]            # RESULTS.md, bench.png
 
-With ``--window W`` fa_torch and fa_jax are also timed with a sliding window; their
-TFLOP/s still count the dense FLOPs, so a rising number means falling time.
+With ``--window W`` (repeatable) fa_torch and fa_jax are also timed with a sliding
+window; their TFLOP/s still count the dense FLOPs, so a rising number means falling
+time. ``--peers`` keeps only the peers whose names contain one of the given words
+(fa_torch and fa_jax always run). ``--memory`` adds a table of peak device memory of
+forward+backward against the sequence length (it must grow linearly).
 """
 from __future__ import annotations
 
@@ -187,34 +192,103 @@ def shapes(quick):
     return out
 
 
+def parse_shape(spec: str):
+    """B,S,Hq,Hk,D,causal (Sq = Sk) or B,Sq,Sk,Hq,Hk,D,causal."""
+    values = [int(x) for x in spec.split(",")]
+    if len(values) == 6:
+        b, s, hq, hk, d, c = values
+        return b, s, s, hq, hk, d, bool(c)
+    if len(values) == 7:
+        b, sq, sk, hq, hk, d, c = values
+        return b, sq, sk, hq, hk, d, bool(c)
+    raise SystemExit(f"--shape {spec!r}: expected 6 or 7 comma-separated integers")
+
+
+def add_window_impls(t_impls, j_impls, w):
+    import fa_jax
+
+    window = lambda causal: (w, 0 if causal else w)  # noqa: E731
+    t_impls[f"fa_torch window {w}"] = (
+        lambda q, k, v, causal: fa_torch.attention(q, k, v, causal=causal,
+                                                   window_size=window(causal)), "bshd")
+    j_impls[f"fa_jax window {w}"] = (
+        lambda q, k, v, causal: fa_jax.attention(q, k, v, causal=causal,
+                                                 window_size=window(causal)))
+
+
+def memory_table(seqlens=(8192, 16384, 32768, 65536), heads=16, head_dim=128):
+    """Peak device memory of one fwd+bwd (B=1, bf16), fa_torch and fa_jax, against S.
+
+    ``inputs`` counts q, k, v, out, dout and the three gradients (8 * S*H*D*2 bytes):
+    with no S x S buffer the peak is a constant multiple of it.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import fa_jax
+
+    lines = ["\n## Peak memory of forward+backward (B=1, H=16, D=128, bf16, causal)\n",
+             "| S | q,k,v,o,dO,dq,dk,dv (MiB) | fa_torch peak (MiB) | fa_jax peak (MiB) "
+             "| fa_torch peak / inputs |", "|---|---|---|---|---|"]
+    for s in seqlens:
+        shape = (1, s, heads, head_dim)
+        inputs = 8 * s * heads * head_dim * 2 / 2 ** 20
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        fa_torch.attention(q, k, v, causal=True).backward(torch.randn_like(q))
+        torch.cuda.synchronize()
+        t_peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        del q, k, v
+        torch.cuda.empty_cache()
+        args = [jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16)
+                for i in range(4)]
+        step = jax.jit(lambda q, k, v, do: jax.vjp(
+            lambda q, k, v: fa_jax.attention(q, k, v, causal=True), q, k, v)[1](do))
+        # XLA's peak of the compiled step: temporaries + arguments + outputs.
+        stats = step.lower(*args).compile().memory_analysis()
+        j_peak = float("nan")
+        if stats is not None:
+            j_peak = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                      + stats.output_size_in_bytes) / 2 ** 20
+        jax.block_until_ready(step(*args))
+        del args
+        lines.append(f"| {s} | {inputs:.0f} | {t_peak:.0f} | {j_peak:.0f} | {t_peak / inputs:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--shape", action="append", default=[],
-                        help="B,S,Hq,Hk,D,causal (repeatable); replaces the default list")
-    parser.add_argument("--window", type=int, default=-1,
+                        help="B,S,Hq,Hk,D,causal or B,Sq,Sk,Hq,Hk,D,causal (repeatable); "
+                             "replaces the default list")
+    parser.add_argument("--window", type=int, action="append", default=[],
                         help="also time fa_torch/fa_jax with window_size=(W, W) (W, 0 causal)")
+    parser.add_argument("--peers", default="",
+                        help="comma-separated words: keep only peers whose name has one")
+    parser.add_argument("--memory", action="store_true",
+                        help="also report peak memory of fwd+bwd at S = 8k..64k")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     modes = args.modes.split(",")
     rows = []
     t_impls, j_impls = torch_impls(), jax_impls()
-    if args.window >= 0:
-        import fa_jax
+    if args.peers:
+        words = args.peers.split(",")
+        keep = lambda name: name in ("fa_torch", "fa_jax") or any(w in name for w in words)  # noqa: E731
+        t_impls = {n: v for n, v in t_impls.items() if keep(n)}
+        j_impls = {n: v for n, v in j_impls.items() if keep(n)}
+    for w in args.window:
+        add_window_impls(t_impls, j_impls, w)
 
-        w = args.window
-        window = lambda causal: (w, 0 if causal else w)  # noqa: E731
-        t_impls[f"fa_torch window {w}"] = (
-            lambda q, k, v, causal: fa_torch.attention(q, k, v, causal=causal,
-                                                       window_size=window(causal)), "bshd")
-        j_impls[f"fa_jax window {w}"] = (
-            lambda q, k, v, causal: fa_jax.attention(q, k, v, causal=causal,
-                                                     window_size=window(causal)))
-    chosen = [tuple(int(x) for x in spec.split(",")) for spec in args.shape]
-    chosen = [(b, s, s, hq, hk, d, bool(c)) for b, s, hq, hk, d, c in chosen] or shapes(args.quick)
+    chosen = [parse_shape(spec) for spec in args.shape] or shapes(args.quick)
     work = [(s, m) for s in chosen for m in modes]
     for (b, sq, sk, hq, hk, d, causal), mode in tqdm(work, desc="bench", file=sys.stderr):
         shape = (b, sq, sk, hq, hk, d)
@@ -230,10 +304,12 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 print(f"{name} {shape} {mode}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
         f = flops(b, hq, sq, sk, d, causal, mode)
-        rows.append(((b, sq, hq, hk, d, causal, mode),
+        rows.append(((b, sq, sk, hq, hk, d, causal, mode),
                      {n: (f / (ms * 1e-3) / 1e12, ms, peak) for n, (ms, peak) in result.items()}))
     names = list(t_impls) + list(j_impls)
     table = render(rows, names, args)
+    if args.memory:
+        table += memory_table()
     with open(os.path.join(args.out, "RESULTS.md"), "w") as fh:
         fh.write(table)
     plot(rows, names, os.path.join(args.out, "bench.png"))
@@ -248,13 +324,16 @@ def render(rows, names, args):
              f"`python benchmarks/bench.py {' '.join(sys.argv[1:])}`.\n",
              "TFLOP/s (flash-attn convention: 4·B·H·S²·D forward, half when causal, "
              "fwd+bwd 3.5x); median of many runs after warm-up. `—`: the peer could not run it.\n"]
-    header = "| B | S | Hq | Hk | D | causal | mode | " + " | ".join(names) + " | fa_torch / FA2 | fa_torch / cuDNN |"
+    header = ("| B | Sq | Sk | Hq | Hk | D | causal | mode | fa_torch ms | " + " | ".join(names)
+              + " | fa_torch / FA2 | fa_torch / cuDNN |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
-    for (b, s, hq, hk, d, causal, mode), res in rows:
+    for (b, sq, sk, hq, hk, d, causal, mode), res in rows:
+        ms = f"{res['fa_torch'][1]:.3f}" if "fa_torch" in res else "—"
         cells = [f"{res[n][0]:.0f}" if n in res else "—" for n in names]
         ratio = lambda peer: (f"{res['fa_torch'][0] / res[peer][0]:.2f}"  # noqa: E731
                               if "fa_torch" in res and peer in res else "—")
-        lines.append(f"| {b} | {s} | {hq} | {hk} | {d} | {causal} | {mode} | " + " | ".join(cells)
+        lines.append(f"| {b} | {sq} | {sk} | {hq} | {hk} | {d} | {causal} | {mode} | {ms} | "
+                     + " | ".join(cells)
                      + f" | {ratio('torch SDPA flash (FA2)')} | {ratio('torch SDPA cuDNN')} |")
     return "\n".join(lines) + "\n"
 
@@ -267,11 +346,14 @@ def plot(rows, names, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    panels = sorted({(d, causal, mode) for (b, s, hq, hk, d, causal, mode), _ in rows if hq == hk})
+    panels = sorted({(d, causal, mode) for (b, sq, sk, hq, hk, d, causal, mode), _ in rows
+                     if hq == hk and sq == sk})
+    if not panels:
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
     for ax, (d, causal, mode) in zip(axes[0], panels):
-        sel = [(s, res) for (b, s, hq, hk, dd, c, m), res in rows
-               if (dd, c, m) == (d, causal, mode) and hq == hk and b * s == 16384]
+        sel = [(s, res) for (b, s, sk, hq, hk, dd, c, m), res in rows
+               if (dd, c, m) == (d, causal, mode) and hq == hk and s == sk and b * s == 16384]
         for name in names:
             pts = [(s, res[name][0]) for s, res in sel if name in res]
             if pts:
