@@ -55,15 +55,6 @@ def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seql
             named[name] = x
     _check_tensors(named)
     name = _launch.dtype_name
-    if cu_seqlens_q is None and cu_seqlens_k is None and type(window_size) is tuple:
-        options = (causal, softmax_scale, window_size, softcap, dropout_p)
-        return _checked_problem(
-            tuple(q.shape), tuple(k.shape), tuple(v.shape), name(q.dtype), name(k.dtype),
-            name(v.dtype), None if bias is None else tuple(bias.shape),
-            None if bias is None else name(bias.dtype),
-            None if alibi_slopes is None else tuple(alibi_slopes.shape),
-            None if alibi_slopes is None else name(alibi_slopes.dtype),
-            *options, tuple(map(type, (*options, *window_size))))
     varlen = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -72,30 +63,27 @@ def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seql
                       cu_seqlens_q_dtype=name(cu_seqlens_q.dtype),
                       cu_seqlens_k_dtype=name(cu_seqlens_k.dtype),
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return fa_plan.check_problem(
-        q.shape, k.shape, v.shape, name(q.dtype), name(k.dtype), name(v.dtype),
-        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p,
-        bias_shape=None if bias is None else bias.shape,
-        bias_dtype=None if bias is None else name(bias.dtype),
-        alibi_shape=None if alibi_slopes is None else alibi_slopes.shape,
-        alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype),
-        varlen=varlen)
+    arrays = (tuple(q.shape), tuple(k.shape), tuple(v.shape), name(q.dtype), name(k.dtype),
+              name(v.dtype))
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, dropout_p=dropout_p,
+                   bias_shape=None if bias is None else tuple(bias.shape),
+                   bias_dtype=None if bias is None else name(bias.dtype),
+                   alibi_shape=None if alibi_slopes is None else tuple(alibi_slopes.shape),
+                   alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype))
+    if varlen is None and type(window_size) is tuple:  # every argument hashable
+        types = tuple(map(type, (*options.values(), *window_size)))
+        return _checked_problem(arrays, tuple(options.items()), types)
+    return fa_plan.check_problem(*arrays, **options, varlen=varlen)
 
 
-@functools.lru_cache(maxsize=4096, typed=True)
-def _checked_problem(q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, bias_shape, bias_dtype,
-                     alibi_shape, alibi_dtype, causal, softmax_scale, window_size, softcap,
-                     dropout_p, option_types) -> fa_plan.AttentionProblem:
+@functools.lru_cache(maxsize=4096)
+def _checked_problem(arrays, options, option_types) -> fa_plan.AttentionProblem:
     """check_problem, remembered: a shape seen before costs a lookup, not a validation.
     ``option_types`` keeps apart values that compare equal but validate differently
     (True and 1, 2 and 2.0); a call that fails validation raises and is not remembered."""
     del option_types
-    return fa_plan.check_problem(
-        q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, causal=causal,
-        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        dropout_p=dropout_p, bias_shape=bias_shape, bias_dtype=bias_dtype,
-        alibi_shape=alibi_shape, alibi_dtype=alibi_dtype)
+    return fa_plan.check_problem(*arrays, **dict(options))
 
 
 def _bias_strides(bias: Optional[Tensor]):
