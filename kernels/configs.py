@@ -83,12 +83,6 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     block_m = min(base.block_m, seqlen_bucket(seqlen_q))
     block_n = min(base.block_n, seqlen_bucket(seqlen_k)) if base.block_n else 0
     num_warps = base.num_warps
-    num_stages = base.num_stages
     if capability is not None and max(block_m, block_n) <= 32:
         num_warps = min(num_warps, 4)
-    if capability is not None and block_n:
-        # A pipeline deeper than the loop only takes shared memory, and with it the second
-        # program an SM could run: short sequences would pay for stages they never fill.
-        streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
-        num_stages = min(num_stages, max(2, -(-streamed // block)))
-    return TileConfig(block_m, block_n, num_warps, num_stages)
+    return TileConfig(block_m, block_n, num_warps, base.num_stages)

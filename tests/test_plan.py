@@ -70,19 +70,6 @@ def test_seqlen_buckets():
     assert tile_config("forward", 64, "float16", 4096, 4096, None).block_m == 64
 
 
-@pytest.mark.parametrize("kernel, streamed_by_q", [("forward", False), ("dq", False),
-                                                    ("dkdv", True)])
-def test_pipeline_no_deeper_than_the_loop(kernel, streamed_by_q):
-    # Stages beyond the number of streamed blocks would only take shared memory.
-    long = tile_config(kernel, 128, "bfloat16", 4096, 4096, (9, 0))
-    for seqlen in (1, 64, 128, 200, 4096):
-        cfg = tile_config(kernel, 128, "bfloat16", seqlen, seqlen, (9, 0))
-        block = cfg.block_m if streamed_by_q else cfg.block_n
-        assert cfg.num_stages == min(long.num_stages, max(2, -(-seqlen // block)))
-    assert tile_config("forward", 128, "bfloat16", 128, 128, (9, 0)).num_stages == 2
-    assert tile_config("forward", 128, "bfloat16", 128, 128, None).num_stages == 1
-
-
 def test_same_plan_for_both_front_ends():
     # The plan depends only on shapes, dtype, options and the target: both front ends
     # ask with the same values, so they launch the same kernels with the same configs.
