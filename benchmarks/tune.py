@@ -9,7 +9,11 @@ Candidates are compiled first in a pool of processes (Triton's disk cache then s
 the timing process), so a sweep of a few hundred configs fits in minutes.
 
     python benchmarks/tune.py [--head-dims 64,128,256] [--dtype bfloat16]
-                              [--kernels forward,dkdv,dq] [--workers 16] [--out DIR]
+                              [--kernels forward,dkdv,dq] [--seqlen 4096] [--workers 16]
+                              [--out DIR]
+
+``--seqlen`` below 4096 tunes the short-sequence entries (``_GPU_16BIT_SHORT``: keyed
+by the seqlen bucket they serve up to) instead of the main table.
 
 Prints, per kernel and head dim, the winner beside the current entry, and the table
 lines to paste into ``configs.py``; writes all timings to ``DIR/tune.json``.
@@ -58,8 +62,24 @@ def candidates(kernel: str, head_dim: int, dtype: str):
     return out
 
 
-def table_for(dtype: str) -> dict:
-    return configs._GPU_32BIT if dtype == "float32" else configs._GPU_16BIT
+LONG = 4096  # the main table's entries are tuned here; shorter --seqlen tunes a short entry
+
+
+def slot(kernel: str, head_dim: int, dtype: str, seqlen: int) -> tuple[dict, tuple]:
+    """The table and key that serve (kernel, head dim) at this seqlen."""
+    table, short = configs.tables(dtype)
+    if seqlen >= LONG:
+        return table, (kernel, head_dim)
+    return short, (kernel, head_dim, configs.seqlen_bucket(seqlen))
+
+
+def put(where: tuple[dict, tuple], cfg) -> None:
+    """Set an entry; None removes it (a short entry that did not exist)."""
+    table, key = where
+    if cfg is None:
+        table.pop(key, None)
+    else:
+        table[key] = cfg
 
 
 def problem(head_dim, dtype, causal, seqlen):
@@ -101,13 +121,13 @@ def launch_of(kernel, p, capability):
 def _compile(task):
     """Worker: compile one candidate by running it once on a small problem whose
     integer arguments specialise the same way (multiples of 16)."""
-    kernel, head_dim, dtype, cfg = task
-    table = table_for(dtype)
-    table[(kernel, head_dim)] = configs.TileConfig(*cfg)
+    kernel, head_dim, dtype, seqlen, cfg = task
+    put(slot(kernel, head_dim, dtype, seqlen), configs.TileConfig(*cfg))
+    # Long enough that the pipeline-depth cap leaves every candidate's stages alone.
+    shape = (1, min(512, seqlen), 2, head_dim)
     try:
         for causal in (False, True):
-            p = plan.check_problem((1, 256, 2, head_dim), (1, 256, 2, head_dim), (1, 256, 2, head_dim),
-                                   dtype, dtype, dtype, causal=causal)
+            p = plan.check_problem(shape, shape, shape, dtype, dtype, dtype, causal=causal)
             capability = torch.cuda.get_device_capability()
             arrays = inputs_for(p, capability)
             _launch.run(launch_of(kernel, p, capability), arrays, torch.device("cuda"))
@@ -141,7 +161,7 @@ def main(argv=None):
     head_dims = [int(d) for d in args.head_dims.split(",")]
     capability = torch.cuda.get_device_capability()
 
-    tasks = [(kernel, d, dtype, (c.block_m, c.block_n, c.num_warps, c.num_stages))
+    tasks = [(kernel, d, dtype, args.seqlen, (c.block_m, c.block_n, c.num_warps, c.num_stages))
              for d in head_dims for kernel in kernels for c in candidates(kernel, d, dtype)]
     start = time.time()
     failed = {}
@@ -158,8 +178,9 @@ def main(argv=None):
         problems = {c: problem(head_dim, dtype, c, args.seqlen) for c in (False, True)}
         arrays = {c: inputs_for(p, capability) for c, p in problems.items()}
         for kernel in kernels:
-            table = table_for(dtype)
-            current = table[(kernel, head_dim)]
+            where = slot(kernel, head_dim, dtype, args.seqlen)
+            current = where[0].get(where[1])  # None: no short entry yet
+            serving = configs.table_entry(kernel, head_dim, dtype, args.seqlen, args.seqlen)
             baseline = {}
             for c, p in problems.items():
                 out = _launch.run(launch_of(kernel, p, capability), dict(arrays[c]),
@@ -167,11 +188,11 @@ def main(argv=None):
                 baseline[c] = {n: out[n].clone() for n in CHECKED[kernel]}
             timed = []
             for cfg in candidates(kernel, head_dim, dtype):
-                key = (kernel, head_dim, dtype, (cfg.block_m, cfg.block_n, cfg.num_warps,
-                                                 cfg.num_stages))
+                key = (kernel, head_dim, dtype, args.seqlen, (cfg.block_m, cfg.block_n,
+                                                              cfg.num_warps, cfg.num_stages))
                 if key in failed:
                     continue
-                table[(kernel, head_dim)] = cfg
+                put(where, cfg)
                 try:
                     ms, ok = {}, True
                     for c, p in problems.items():
@@ -185,20 +206,21 @@ def main(argv=None):
                     print(f"  {kernel} D={head_dim} {cfg}: {type(exc).__name__}", file=sys.stderr)
                     continue
                 finally:
-                    table[(kernel, head_dim)] = current
+                    put(where, current)
                 timed.append((ms[False] + ms[True], cfg, ms, ok))
                 results.append(dict(kernel=kernel, head_dim=head_dim, dtype=dtype,
-                                    config=list(key[3]), ms=ms[False], ms_causal=ms[True], ok=ok))
+                                    seqlen=args.seqlen, config=list(key[4]), ms=ms[False],
+                                    ms_causal=ms[True], ok=ok))
             good = sorted((t for t in timed if t[3]), key=lambda t: t[0])
-            now = next((t for t in timed if t[1] == current), None)
+            now = next((t for t in timed if t[1] == serving), None)
             if not good:
                 lines.append(f"# {kernel} D={head_dim}: no candidate passed")
                 continue
             total, best, ms, _ = good[0]
-            line = (f'("{kernel}", {head_dim}): TileConfig({best.block_m}, {best.block_n}, '
-                    f'{best.num_warps}, {best.num_stages}),')
+            line = (f'{where[1]!r}: TileConfig({best.block_m}, {best.block_n}, '
+                    f'{best.num_warps}, {best.num_stages}),').replace("'", '"')
             note = (f"{ms[False]:.3f} / {ms[True]:.3f} ms (causal)"
-                    + (f"; table now {current}: {now[2][False]:.3f} / {now[2][True]:.3f} ms"
+                    + (f"; table now {serving}: {now[2][False]:.3f} / {now[2][True]:.3f} ms"
                        if now else ""))
             lines.append(f"{line}  # {note}")
             print(lines[-1], flush=True)

@@ -63,6 +63,18 @@ _GPU_32BIT = {
     ("preprocess", 0): TileConfig(64, 0, 4, 1),
 }
 
+# Short sequences: entries keyed (kernel, block_d, bucket) serve problems whose longer
+# sequence falls in a bucket up to that one (the smallest such entry wins), chosen by
+# `tune.py --seqlen N`; other problems take the entries above.
+_GPU_16BIT_SHORT = {
+    # tune.py --seqlen 1024 --head-dims 128 (H200, 2026-12-03): forward 0.369 / 0.223 ms
+    # (causal) against 0.360 / 0.249 for the main entry, dK/dV 0.681 / 0.409 against
+    # 0.699 / 0.451; dQ's main entry won.
+    ("forward", 128, 1024): TileConfig(64, 64, 4, 3),
+    ("dkdv", 128, 1024): TileConfig(32, 64, 4, 2),
+}
+_GPU_32BIT_SHORT: dict = {}
+
 # The interpreter pays ~5 ms of Python per tile step, whatever its size: big tiles.
 _INTERPRETER = TileConfig(64, 64, 4, 1)
 
@@ -72,17 +84,38 @@ def seqlen_bucket(seqlen: int) -> int:
     return max(16, 1 << max(0, seqlen - 1).bit_length())
 
 
+def tables(dtype: str) -> tuple[dict, dict]:
+    """The GPU table and its short-sequence table for a dtype."""
+    if dtype == "float32":
+        return _GPU_32BIT, _GPU_32BIT_SHORT
+    return _GPU_16BIT, _GPU_16BIT_SHORT
+
+
+def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int) -> TileConfig:
+    """The GPU table's config before it is fitted to the sequence lengths."""
+    table, short = tables(dtype)
+    block_d = 0 if kernel == "preprocess" else block_d
+    bucket = seqlen_bucket(max(seqlen_q, seqlen_k))
+    served = [b for (k, d, b) in short if k == kernel and d == block_d and b >= bucket]
+    return short[(kernel, block_d, min(served))] if served else table[(kernel, block_d)]
+
+
 def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
                 capability: tuple[int, int] | None) -> TileConfig:
     """The config of one kernel; ``capability`` None means the CPU interpreter."""
     if capability is None:
         base = _INTERPRETER
     else:
-        table = _GPU_32BIT if dtype == "float32" else _GPU_16BIT
-        base = table[(kernel, 0 if kernel == "preprocess" else block_d)]
+        base = table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k)
     block_m = min(base.block_m, seqlen_bucket(seqlen_q))
     block_n = min(base.block_n, seqlen_bucket(seqlen_k)) if base.block_n else 0
     num_warps = base.num_warps
+    num_stages = base.num_stages
     if capability is not None and max(block_m, block_n) <= 32:
         num_warps = min(num_warps, 4)
-    return TileConfig(block_m, block_n, num_warps, base.num_stages)
+    if capability is not None and block_n:
+        # A pipeline deeper than the loop only takes shared memory, and with it the second
+        # program an SM could run: short sequences would pay for stages they never fill.
+        streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
+        num_stages = min(num_stages, max(2, -(-streamed // block)))
+    return TileConfig(block_m, block_n, num_warps, num_stages)
