@@ -66,6 +66,12 @@ def capability():
     return int(major), int(minor)
 
 
+def num_sms():
+    """The GPU's multiprocessor count, as fa_torch reads it (libcuda, device 0: the plan is
+    made at trace time, before a device is known); None on the CPU (no split-KV)."""
+    return runtime.multiprocessors(0) if on_gpu() else None
+
+
 def placeholder():
     """What stands in for an input the problem does not use (its flag is off)."""
     return jnp.zeros((1,), jnp.float32)
@@ -113,7 +119,7 @@ def _target() -> str:
             # asynchronously), even at interpreter exit, when imports can fail.
             import torch  # noqa: F401
 
-            from fa_kernels import registry  # noqa: F401
+            from fa_kernels import launcher, registry  # noqa: F401
             from fa_torch import _launch as torch_launch  # noqa: F401
 
             function = signature(handler)  # kept alive for the life of the process
@@ -195,6 +201,8 @@ def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
         launch, operands = _decode(ctypes.string_at(opaque, opaque_len))
         import torch
 
+        from fa_kernels import launcher
+
         n_operands = len(operands)
         args = [_DevicePointer(buffers[i] or 0, dtype)
                 for i, (_, dtype) in enumerate(operands[:len(launch.inputs)])]
@@ -202,9 +210,7 @@ def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
                    for j, o in enumerate(launch.outputs)]
         device = _device_of(args[0].address)
         with torch.cuda.device(device), torch.cuda.stream(_external_stream(stream or 0, device)):
-            fa_kernels.kernel(launch.kernel)[launch.grid](
-                *args, *launch.scalars, *outputs, num_warps=launch.num_warps,
-                num_stages=launch.num_stages, **launch.constexprs)
+            launcher.launch(launch, args, outputs, device)
     except BaseException as error:  # noqa: BLE001  (nothing may unwind into XLA)
         _report(launch, error)
         for pointer, o in zip(outputs or [], launch.outputs if launch else []):

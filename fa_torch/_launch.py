@@ -31,6 +31,15 @@ def capability(device: torch.device):
     return torch.cuda.get_device_capability(device)
 
 
+def num_sms(device: torch.device):
+    """The GPU's multiprocessor count (split-KV sizes its grid by it); None for the
+    interpreter, which never splits."""
+    if runtime.interpreting():
+        return None
+    return runtime.multiprocessors(device.index if device.index is not None
+                                   else torch.cuda.current_device())
+
+
 def placeholder(device: torch.device) -> torch.Tensor:
     """What stands in for an input the problem does not use (its flag is off)."""
     key = str(device)
@@ -53,14 +62,17 @@ def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> No
     an input that is absent or None gets the placeholder."""
     if launch.empty:
         return
-    args = [arrays[name] if arrays.get(name) is not None else placeholder(device)
-            for name in launch.inputs]
-    args += list(launch.scalars) + [outputs[o.name] for o in launch.outputs]
-    kernel = fa_kernels.kernel(launch.kernel)[launch.grid]
-    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs)
+    inputs = [arrays[name] if arrays.get(name) is not None else placeholder(device)
+              for name in launch.inputs]
+    results = [outputs[o.name] for o in launch.outputs]
     if runtime.interpreting():
+        kernel = fa_kernels.kernel(launch.kernel)[launch.grid]
         with _INTERPRETER_LOCK:
-            kernel(*args, **options)
-    else:
-        with torch.cuda.device(device):
-            kernel(*args, **options)
+            kernel(*inputs, *launch.scalars, *results, num_warps=launch.num_warps,
+                   num_stages=launch.num_stages, **launch.constexprs)
+        return
+    from fa_kernels import launcher
+
+    with torch.cuda.device(device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        launcher.launch(launch, inputs, results, index)

@@ -1,0 +1,51 @@
+"""One launch of a plan step on the GPU, through Triton's compiled kernel.
+
+``kernel[grid](...)`` (Triton's JIT entry) binds and specialises every argument on each
+call: ~30 us of host time per launch on the H200's host, where the compiled kernel's
+own launcher takes ~10 (benchmarks/NOTES.md). A plan's launch fixes every scalar and
+constexpr, so the only things that can change the specialisation between two calls of
+the same launch are the arrays' dtypes and their 16-byte alignment: with those in the
+key, the first call goes through the JIT (compiling if needed) and later calls go
+straight to the kernel it returned. Both front ends launch through here, so they keep
+running the same binary.
+
+Arrays are anything with ``data_ptr()`` and ``dtype`` (torch tensors, fa_jax's device
+pointers). Triton imports here; torch and jax do not.
+"""
+from __future__ import annotations
+
+import triton
+from triton import knobs
+
+from . import registry
+
+_COMPILED: dict = {}
+_MAX_ENTRIES = 8192  # plans are cached up to 4096 each way; past this, start over
+
+
+def _key(launch, arrays, device) -> tuple:
+    return (id(launch), device,
+            *[(str(a.dtype), a.data_ptr() % 16 == 0) for a in arrays])
+
+
+def launch(launch, inputs: list, outputs: list, device: int) -> None:
+    """Launch ``launch`` on the current stream of ``device`` (already the current
+    device): ``inputs`` in ``launch.inputs`` order, ``outputs`` in ``launch.outputs``."""
+    kernel = registry.KERNELS[launch.kernel]
+    key = _key(launch, (*inputs, *outputs), device)
+    entry = _COMPILED.get(key)
+    # Launch hooks (Triton's profiler) are called by the JIT path only: keep to it then.
+    if entry is None or knobs.runtime.launch_enter_hook is not None:
+        compiled = kernel[launch.grid](
+            *inputs, *launch.scalars, *outputs, num_warps=launch.num_warps,
+            num_stages=launch.num_stages, **launch.constexprs)
+        if isinstance(compiled, triton.compiler.CompiledKernel):
+            # The launch is kept in the entry: its id() stays its own while cached.
+            tail = [launch.constexprs[name]
+                    for name in kernel.arg_names[len(inputs) + len(launch.scalars) + len(outputs):]]
+            if len(_COMPILED) >= _MAX_ENTRIES:
+                _COMPILED.clear()
+            _COMPILED[key] = (launch, compiled, tail)
+        return
+    _, compiled, tail = entry
+    compiled[launch.grid](*inputs, *launch.scalars, *outputs, *tail)
