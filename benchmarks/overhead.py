@@ -6,7 +6,7 @@ off one layer: the public function, the torch custom op, our implementation behi
 it, the plan, Triton's launcher, and torch SDPA's C++ path for comparison; then jitted
 fa_jax beside jax's cuDNN attention.
 
-    python benchmarks/overhead.py [--calls 2000]
+    python benchmarks/overhead.py [--calls 2000] [--profile]
 """
 from __future__ import annotations
 
@@ -26,22 +26,31 @@ from fa_kernels import plan as fa_plan  # noqa: E402
 from fa_torch import _launch, ops  # noqa: E402
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def per_call_us(fn, calls):
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / calls * 1e6
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile where a fwd+bwd call's host time goes")
     args = parser.parse_args()
-    q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # Without a GPU (TRITON_INTERPRET=1) the script runs on the CPU: a smoke test of it.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.randn(1, 128, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     scale = 64 ** -0.5
@@ -51,7 +60,7 @@ def main():
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride())
     arrays = {"q": q, "k": k, "v": v}
     outputs = {"out": torch.empty_like(q),
-               "lse": torch.empty(problem.lse_shape, device="cuda", dtype=torch.float32)}
+               "lse": torch.empty(problem.lse_shape, device=device, dtype=torch.float32)}
     launch = fwd.launch
     kernel = fa_kernels.kernel(launch.kernel)
     triton_args = ([arrays.get(n, _launch.placeholder(q.device)) for n in launch.inputs]
@@ -73,6 +82,26 @@ def main():
         F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in leaves)).backward(
             dout.transpose(1, 2))
 
+    out, lse = ops.attention_forward(*op_args)
+    bwd_args = (dout, q, k, v, out, lse, None, None, None, None, None, None, 0, 0, False, scale,
+                -1, -1, 0.0, 0.0, False)
+
+    class Identity(torch.autograd.Function):  # the cost of any Python backward node
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def identity_fwd_bwd(x):
+        x.grad = None
+        Identity.apply(x).backward(x)
+
+    cuda_leaf = torch.ones(4, device=device, requires_grad=True)
+    cpu_leaf = torch.ones(4, requires_grad=True)
+
     rows = [
         ("fa_torch.attention (forward)", lambda: fa_torch.attention(q, k, v)),
         ("custom op fa_torch::attention_forward", lambda: ops.attention_forward(*op_args)),
@@ -82,10 +111,15 @@ def main():
             k_strides=k.stride(), v_strides=v.stride())),
         ("_launch.run (allocate + Triton launch)", lambda: _launch.run(launch, dict(arrays), q.device)),
         ("Triton kernel[grid](...)", lambda: kernel[launch.grid](*triton_args, **options)),
-        ("Triton CompiledKernel[grid](...)", lambda: compiled[launch.grid](*ordered)),
+        *((("Triton CompiledKernel[grid](...)", lambda: compiled[launch.grid](*ordered)),)
+          if compiled is not None else ()),
         ("torch SDPA (forward)", lambda: F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))),
+        ("custom op fa_torch::attention_backward", lambda: ops.attention_backward(*bwd_args)),
+        ("its implementation, called directly", lambda: ops.attention_backward._init_fn(*bwd_args)),
         ("fa_torch fwd+bwd (autograd)", fwd_bwd),
+        (f"identity autograd.Function fwd+bwd, {device} tensor", lambda: identity_fwd_bwd(cuda_leaf)),
+        ("identity autograd.Function fwd+bwd, CPU tensor", lambda: identity_fwd_bwd(cpu_leaf)),
         ("torch SDPA fwd+bwd", sdpa_fwd_bwd),
     ]
     print(f"| call ({args.calls} calls, B=1 S=128 H=2 D=64 bf16) | host us per call |")
@@ -94,8 +128,52 @@ def main():
         with torch.set_grad_enabled("fwd+bwd" in name):
             us = per_call_us(fn, args.calls)
         print(f"| {name} | {us:.1f} |", flush=True)
-    for name, us in jax_rows(args.calls):
+    for name, us in jax_rows(args.calls) if device == "cuda" else ():
         print(f"| {name} | {us:.1f} |", flush=True)
+    if args.profile:
+        profile(fwd_bwd, lambda: ops.attention_backward._init_fn(*bwd_args), args.calls)
+
+
+def profile(fwd_bwd, backward_impl, calls):
+    """Where a fwd+bwd's host time goes: the time inside the backward op as autograd's
+    device thread runs it, against the whole call; then the Python profile of the
+    backward implementation called directly."""
+    import cProfile
+    import pstats
+
+    inside = []
+    op = ops.attention_backward
+
+    def timed(*a):
+        start = time.perf_counter()
+        try:
+            return op(*a)
+        finally:
+            inside.append(time.perf_counter() - start)
+
+    ops.attention_backward = timed  # _backward looks the op up at call time
+    try:
+        with torch.enable_grad():
+            whole = per_call_us(fwd_bwd, calls)
+    finally:
+        ops.attention_backward = op
+    inside_us = sum(inside[20:]) / max(1, len(inside) - 20) * 1e6
+    print(f"\nfwd+bwd {whole:.1f} us per call, of which {inside_us:.1f} us inside "
+          f"attention_backward (autograd's thread)")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        backward_impl()
+    sync()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch.enable_grad(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(50):
+            fwd_bwd()
+        sync()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def jax_rows(calls):
