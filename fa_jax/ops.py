@@ -147,9 +147,11 @@ def _kernel_body(kind: str, options: Options):
             arrays["seed"] = _sharding.with_offsets(arrays["seed"], *args[len(names):])
         problem = problem_of(arrays, options)
         if kind == "forward":
-            fwd = fa_plan.forward_plan(problem, capability=_launch.capability())
-            outputs = _launch.run(fwd.launch, arrays)
-            return outputs["out"], outputs["lse"]
+            fwd = fa_plan.forward_plan(problem, capability=_launch.capability(),
+                                       num_sms=_launch.num_sms())
+            for launch in fwd.launches:
+                _launch.run(launch, arrays)
+            return arrays["out"], arrays["lse"]
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
                                     bias_grad=options.has_bias)
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)

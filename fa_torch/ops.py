@@ -2,7 +2,10 @@
 
 Registered with ``torch.library.custom_op`` with fake (meta) implementations, so
 ``torch.compile(fullgraph=True)`` keeps the call in its graph; the autograd formula
-is registered on the op, so eager and compiled code share one backward.
+is registered on the op. Plain eager calls (no compile, no torch.func transform, no
+dispatch mode, plain tensors) skip the op's dispatch through an ``autograd.Function``
+over the same launches and the same formula: the same kernels, the same bits, less
+host time per call.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fa_kernels import plan as fa_plan
 from fa_kernels import runtime
@@ -92,6 +96,24 @@ def _bias_strides(bias: Optional[Tensor]):
     return (0,) * (4 - bias.dim()) + tuple(bias.stride())
 
 
+def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+                  dropout_p):
+    """(out, lse): the forward launches (the body of the op below)."""
+    q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
+    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
+                         softcap, dropout_p)
+    fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
+                               q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
+                               bias_strides=_bias_strides(bias), num_sms=_launch.num_sms(q.device))
+    arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes, "seed": seed,
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    for launch in fwd.launches:
+        _launch.run(launch, arrays, q.device)
+    return arrays["out"], arrays["lse"]
+
+
 @torch.library.custom_op("fa_torch::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
@@ -100,17 +122,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       window_left: int, window_right: int, softcap: float,
                       dropout_p: float) -> tuple[Tensor, Tensor]:
     """(out, lse); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen)."""
-    q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
-    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
-                         softcap, dropout_p)
-    fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
-                               q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
-                               bias_strides=_bias_strides(bias))
-    arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes, "seed": seed,
-              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    out = _launch.run(fwd.launch, arrays, q.device)
-    return out["out"], out["lse"]
+    return _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+                         window_right, softcap, dropout_p)
 
 
 @attention_forward.register_fake
@@ -122,15 +136,10 @@ def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     return q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("fa_torch::attention_backward", mutates_args=())
-def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       dlse: Optional[Tensor], bias: Optional[Tensor],
-                       alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
-                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-                       window_left: int, window_right: int, softcap: float, dropout_p: float,
-                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty."""
+def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+                   window_right, softcap, dropout_p, bias_grad):
+    """(dq, dk, dv, dbias): the backward launches (the body of the op below)."""
     q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
     problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, causal, softmax_scale, (window_left, window_right),
@@ -138,11 +147,12 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     bwd = fa_plan.backward_plan(problem, capability=_launch.capability(q.device),
                                 q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                 out_strides=out.stride(), dout_strides=dout.stride(),
-                                bias_strides=_bias_strides(bias), bias_grad=bias_grad)
-    if dlse is None:
-        dlse = torch.zeros(problem.lse_shape, dtype=torch.float32, device=q.device)
+                                bias_strides=_bias_strides(bias), bias_grad=bias_grad,
+                                has_dlse=dlse is not None)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
     arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
-              "dlse": dlse.to(torch.float32).contiguous(), "bias": bias, "slopes": alibi_slopes,
+              "dlse": dlse, "bias": bias, "slopes": alibi_slopes,
               "seed": seed, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     for launch in bwd.launches:
         _launch.run(launch, arrays, q.device)
@@ -154,6 +164,20 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     else:
         dbias = q.new_empty(0)
     return arrays["dq"], arrays["dk"], arrays["dv"], dbias
+
+
+@torch.library.custom_op("fa_torch::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       dlse: Optional[Tensor], bias: Optional[Tensor],
+                       alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
+                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                       window_left: int, window_right: int, softcap: float, dropout_p: float,
+                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty."""
+    return _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
+                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          window_left, window_right, softcap, dropout_p, bias_grad)
 
 
 @attention_backward.register_fake
@@ -173,21 +197,63 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
     ctx.options = inputs[8:]
+    # An unused output's gradient stays None, not a zero tensor to allocate and fill
+    # (the LSE's, usually): the backward plan then skips reading it.
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    bias_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, dlse, bias, alibi_slopes,
-                                           seed, cu_seqlens_q, cu_seqlens_k, *ctx.options,
-                                           bias_grad)
-    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (4 + len(_OPTION_NAMES))
+def _backward_with(backward):
+    def _backward(ctx, dout, dlse):
+        q, k, v, out, lse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed,
+                                     cu_seqlens_q, cu_seqlens_k, *ctx.options, bias_grad)
+        return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (4 + len(_OPTION_NAMES))
+    return _backward
 
 
-torch.library.register_autograd("fa_torch::attention_forward", _backward,
-                                setup_context=_setup_context)
+# The op's backward is the backward op (what torch.compile traces); the eager Function's
+# calls the launches directly. One formula for both.
+torch.library.register_autograd(
+    "fa_torch::attention_forward",
+    _backward_with(lambda *args: attention_backward(*args)),  # looked up per call
+    setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager path: the same launches and the same backward formula as the custom op,
+    without the op's dispatch and its autograd wrapper (which rebuilds the argument list
+    on every call): about half the host time of a small fwd+bwd (benchmarks/NOTES.md)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward_with(_backward_impl))
+
+
+def _eager(tensors) -> bool:
+    """True when plain eager torch runs this call: no torch.compile tracing, no torch.func
+    transform, no dispatch mode (fake tensors, flop counters...), no tensor subclass.
+    Those see the custom op, as they must; everything else takes the shorter path."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(x is None or type(x) is torch.Tensor for x in tensors)
+
+
+def _call_forward(*args):
+    """attention_forward(*args), by the eager path when it may."""
+    if not _eager(args[:8]):
+        return attention_forward(*args)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:5]):
+        return _EagerAttention.apply(*args)
+    return _forward_impl(*args)
 
 
 def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
@@ -243,11 +309,11 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         fa_plan.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), problem.total_q)
         fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), problem.total_k)
     seed = dropout_seed_tensor(dropout_seed, q.device) if problem.dropout_p > 0 else None
-    out, lse = attention_forward(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
-                                 problem.seqlen_q if problem.varlen else 0,
-                                 problem.seqlen_k if problem.varlen else 0, problem.causal,
-                                 problem.softmax_scale, window_size[0], window_size[1],
-                                 problem.softcap, problem.dropout_p)
+    out, lse = _call_forward(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
+                             problem.seqlen_q if problem.varlen else 0,
+                             problem.seqlen_k if problem.varlen else 0, problem.causal,
+                             problem.softmax_scale, window_size[0], window_size[1],
+                             problem.softcap, problem.dropout_p)
     return (out, lse) if return_lse else out
 
 

@@ -34,7 +34,7 @@ def attention_backward_preprocess(
     stride_lb, stride_lh,
     Delta,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    STRIDES_ALIGNED: tl.constexpr,
+    HAS_DLSE: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
 ):
     stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
     stride_om = aligned(stride_om, STRIDES_ALIGNED)
@@ -54,8 +54,9 @@ def attention_backward_preprocess(
     do = load_tile(dOut + batch * stride_dob + head * stride_doh + row0 * stride_dom,
                    offs_m, offs_d, stride_dom, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
     row_base = batch * stride_lb + head * stride_lh
-    dlse = tl.load(dLSE + row_base + rows, mask=rows < seqlen_q, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) - dlse
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:  # the LSE was used downstream: its gradient joins D
+        delta -= tl.load(dLSE + row_base + rows, mask=rows < seqlen_q, other=0.0)
     tl.store(Delta + row_base + rows, delta, mask=rows < seqlen_q)
 
 
@@ -166,12 +167,7 @@ def attention_backward_dkdv(
     for g in range(GROUP_SIZE):
         head = head_k * GROUP_SIZE + g
         head64 = tl.cast(head, tl.int64)
-        seed_lo = 0
-        seed_hi = 0
-        mask_batch = batch
-        mask_head = head
-        if HAS_DROPOUT:
-            seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
+        seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
         q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
         do_base = dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
@@ -315,16 +311,12 @@ def attention_backward_dq(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + batch64 * stride_sb + head64)
-    seed_lo = 0
-    seed_hi = 0
-    mask_batch = batch
-    mask_head = head
-    if HAS_DROPOUT:
-        seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
+    seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    lo, full_lo, full_hi, hi = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    lo, full_lo, full_hi, hi = key_blocks(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k,
+                                          window_left, window_right, BLOCK_N, LIMIT_LEFT,
+                                          LIMIT_RIGHT)
     for start_n in range(lo, full_lo, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,

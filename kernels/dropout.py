@@ -17,7 +17,7 @@ def dropout_mask(
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
+    seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, True)
     rows = start_m + tl.arange(0, BLOCK_M)
     base = (Mask + tl.cast(batch, tl.int64) * stride_mb + tl.cast(head, tl.int64) * stride_mh
             + tl.cast(rows[:, None], tl.int64) * stride_mm)

@@ -13,8 +13,9 @@ path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (LN2, aligned, dropout_keep, key_blocks, load_seed, load_tile, scores,
-                      sequence_bounds, softmax_step, store_tile, visible)
+from .helpers import (LN2, aligned, dropout_keep, key_blocks, load_rows, load_seed, load_tile,
+                      scores, sequence_bounds, softmax_step, split_blocks, store_rows, store_tile,
+                      visible)
 
 
 @triton.jit
@@ -59,12 +60,14 @@ def attention_forward(
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb,
+    num_splits, stride_os, stride_ls,
     Out, LSE,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -78,43 +81,69 @@ def attention_forward(
     stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
     stride_om = aligned(stride_om, STRIDES_ALIGNED)
     stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
-    start_m = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1)
+    # Split-KV: programs (block, split) share a query block, each over a slice of the keys,
+    # and write partial results that attention_forward_combine merges.
+    block = tl.program_id(0)
+    split = 0
+    if SPLIT_KV:
+        split = block % num_splits
+        block = block // num_splits
     batch = tl.program_id(2)
-    head_k = tl.cast(head // GROUP_SIZE, tl.int64)  # GQA: a group of query heads shares K/V
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
                                                            seqlen_q, seqlen_k, IS_VARLEN)
     batch64 = tl.cast(batch, tl.int64)
-    head64 = tl.cast(head, tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    rows = start_m + offs_m
+    if PACK_GQA:
+        # The rows of a block are (query, head) pairs of one K/V head's group: short
+        # queries (decode) fill a tile, and K/V are read once per group, not per head.
+        head_k = tl.cast(tl.program_id(1), tl.int64)
+        slots = block * BLOCK_M + offs_m
+        rows = slots // GROUP_SIZE
+        head = head_k * GROUP_SIZE + slots % GROUP_SIZE
+        row_lo = block * BLOCK_M // GROUP_SIZE
+        row_hi = ((block + 1) * BLOCK_M - 1) // GROUP_SIZE + 1
+    else:
+        head = tl.program_id(1)
+        head_k = tl.cast(head // GROUP_SIZE, tl.int64)  # GQA: a group of query heads shares K/V
+        rows = block * BLOCK_M + offs_m
+        row_lo = block * BLOCK_M
+        row_hi = row_lo + BLOCK_M
+    head64 = tl.cast(head, tl.int64)
 
     # int64 base offsets: batch * heads * seqlen * head_dim can pass 2^31.
-    q_row0 = q_start + tl.cast(start_m, tl.int64)
-    q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qm
+    q_row0 = q_start + tl.cast(row_lo, tl.int64)
     k_base = K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn
     v_base = V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn
-    bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
+    if PACK_GQA:
+        row_offsets = tl.cast(rows, tl.int64) * stride_qm + head64 * stride_qh
+        q = load_rows(Q + batch64 * stride_qb + q_start * stride_qm, row_offsets, rows < seqlen_q,
+                      offs_d, HEAD_DIM, BLOCK_D)
+        bias_base = (Bias + batch64 * stride_bb + head64 * stride_bh)[:, None]
+    else:
+        q = load_tile(Q + batch64 * stride_qb + head64 * stride_qh + q_row0 * stride_qm,
+                      offs_m, offs_d, stride_qm, seqlen_q - row_lo, HEAD_DIM, BLOCK_D, True)
+        bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + batch64 * stride_sb + head64)
-    seed_lo = 0
-    seed_hi = 0
-    mask_batch = batch
-    mask_head = head
-    if HAS_DROPOUT:
-        seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head)
-    q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
+        if PACK_GQA:
+            slope = slope[:, None]
+    seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
+    if PACK_GQA:
+        mask_head = mask_head[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    lo, full_lo, full_hi, hi = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                          BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    lo, full_lo, full_hi, hi = key_blocks(row_lo, row_hi, seqlen_q, seqlen_k, window_left,
+                                          window_right, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    if SPLIT_KV:
+        lo, full_lo, full_hi, hi = split_blocks(lo, full_lo, full_hi, hi, split, num_splits,
+                                                seqlen_k, BLOCK_N)
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
@@ -145,7 +174,71 @@ def attention_forward(
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
 
-    o_base = Out + batch64 * stride_ob + head64 * stride_oh + q_row0 * stride_om
-    store_tile(o_base, out, offs_m, offs_d, stride_om, seqlen_q - start_m, HEAD_DIM, BLOCK_D)
-    lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
-    tl.store(lse_base + rows, lse, mask=rows < seqlen_q)
+    # Split-KV writes this split's (fp32) slice of the partial buffers.
+    split64 = tl.cast(split, tl.int64)
+    o_batch = Out + split64 * stride_os + batch64 * stride_ob
+    lse_batch = LSE + split64 * stride_ls + batch64 * stride_lb + q_start
+    if PACK_GQA:
+        store_rows(o_batch + q_start * stride_om, out,
+                   tl.cast(rows, tl.int64) * stride_om + head64 * stride_oh, rows < seqlen_q,
+                   offs_d, HEAD_DIM, BLOCK_D)
+        tl.store(lse_batch + head64 * stride_lh + rows, lse, mask=rows < seqlen_q)
+    else:
+        store_tile(o_batch + head64 * stride_oh + q_row0 * stride_om, out, offs_m, offs_d,
+                   stride_om, seqlen_q - row_lo, HEAD_DIM, BLOCK_D)
+        tl.store(lse_batch + head64 * stride_lh + rows, lse, mask=rows < seqlen_q)
+
+
+@triton.jit
+def attention_forward_combine(
+    OutPartial, LSEPartial, CuSeqlensQ, CuSeqlensK,
+    seqlen_q, num_splits,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    stride_os, stride_ls,
+    Out, LSE,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """Merge split-KV partial results: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s.
+
+    The partial buffers have the layout of Out and LSE (fp32) with a leading split axis.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.cast(tl.program_id(1), tl.int64)
+    batch = tl.program_id(2)
+    q_start, _, seqlen_q, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, 0,
+                                              IS_VARLEN)
+    batch64 = tl.cast(batch, tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = start_m + offs_m
+    in_range = rows < seqlen_q
+    lse_base = LSEPartial + batch64 * stride_lb + head * stride_lh + q_start
+    o_base = (OutPartial + batch64 * stride_ob + head * stride_oh
+              + (q_start + tl.cast(start_m, tl.int64)) * stride_om)
+
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse_s)
+    seen = lse_max > float("-inf")  # else no split saw a key: output 0, LSE -inf
+    m_ref = tl.where(seen, lse_max, 0.0)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
+        total += tl.exp(lse_s - m_ref)
+    lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    lse_ref = tl.where(seen, lse, 0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
+        weight = tl.where(seen, tl.exp(lse_s - lse_ref), 0.0)
+        part = load_tile(o_base + tl.cast(s, tl.int64) * stride_os, offs_m, offs_d, stride_om,
+                         seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
+        acc += weight[:, None] * part
+
+    out_base = (Out + batch64 * stride_ob + head * stride_oh
+                + (q_start + tl.cast(start_m, tl.int64)) * stride_om)
+    store_tile(out_base, acc, offs_m, offs_d, stride_om, seqlen_q - start_m, HEAD_DIM, BLOCK_D)
+    tl.store(LSE + batch64 * stride_lb + head * stride_lh + q_start + rows, lse, mask=in_range)

@@ -60,6 +60,28 @@ def store_tile(base, tile, offs_row, offs_d, stride_row, num_rows,
 
 
 @triton.jit
+def load_rows(base, row_offsets, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (rows, BLOCK_D) tile whose rows sit at any offsets (packed GQA: rows of several
+    heads); rows not ``row_ok`` and columns >= HEAD_DIM read as 0."""
+    ptrs = base + row_offsets[:, None] + offs_d[None, :]
+    if HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def store_rows(base, tile, row_offsets, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Store the ``row_ok`` rows of a tile at their offsets (see load_rows), cast."""
+    ptrs = base + row_offsets[:, None] + offs_d[None, :]
+    value = tile.to(base.dtype.element_ty)
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, value, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, value, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """(first query token, first key token, seqlen_q, seqlen_k) of one batch entry.
 
@@ -98,34 +120,49 @@ def visible(rows_q, cols_k, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
-    """Key blocks a query block [start_m, start_m + BLOCK_M) needs.
+def key_blocks(row_lo, row_hi, seqlen_q, seqlen_k, window_left, window_right,
+               BLOCK_N: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Key blocks the query rows [row_lo, row_hi) need.
 
     Returns (lo, full_lo, full_hi, hi): blocks in [full_lo, full_hi) are visible to
-    every row of the block and need no mask; those in [lo, full_lo) and [full_hi, hi)
-    cross the window's edges or the end of the keys and are masked. Blocks outside
-    [lo, hi) are skipped: a sliding window costs time in proportion to its size.
+    every row and need no mask; those in [lo, full_lo) and [full_hi, hi) cross the
+    window's edges or the end of the keys and are masked. Blocks outside [lo, hi) are
+    skipped: a sliding window costs time in proportion to its size.
     """
     diagonal = seqlen_k - seqlen_q
     hi = seqlen_k
     full_hi = seqlen_k
     if LIMIT_RIGHT:
-        hi = tl.minimum(hi, start_m + BLOCK_M - 1 + diagonal + window_right + 1)
-        full_hi = tl.minimum(full_hi, start_m + diagonal + window_right + 1)
+        hi = tl.minimum(hi, row_hi - 1 + diagonal + window_right + 1)
+        full_hi = tl.minimum(full_hi, row_lo + diagonal + window_right + 1)
     lo = 0
     full_lo = 0
     if LIMIT_LEFT:
-        lo = tl.maximum(start_m + diagonal - window_left, 0)
-        full_lo = tl.maximum(start_m + BLOCK_M - 1 + diagonal - window_left, 0)
-    hi = tl.where(start_m < seqlen_q, tl.maximum(hi, 0), 0)  # varlen: past this sequence
+        lo = tl.maximum(row_lo + diagonal - window_left, 0)
+        full_lo = tl.maximum(row_hi - 1 + diagonal - window_left, 0)
+    hi = tl.where(row_lo < seqlen_q, tl.maximum(hi, 0), 0)  # varlen: past this sequence
     lo = lo // BLOCK_N * BLOCK_N
     full_lo = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     full_hi = tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N
     split = full_lo < full_hi  # else no block is wholly visible: mask all from lo
     full_lo = tl.where(split, full_lo, lo)
     full_hi = tl.where(split, full_hi, lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def split_blocks(lo, full_lo, full_hi, hi, split, num_splits, seqlen_k, BLOCK_N: tl.constexpr):
+    """The part of key_blocks' ranges in split ``split`` of ``num_splits`` equal slices of
+    the keys (whole blocks each). Clamping keeps the order lo <= full_lo <= full_hi <= hi,
+    so a block keeps its masked or unmasked kind."""
+    blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    per_split = (blocks + num_splits - 1) // num_splits * BLOCK_N
+    first = split * per_split
+    last = first + per_split
+    lo = tl.minimum(tl.maximum(lo, first), last)
+    full_lo = tl.minimum(tl.maximum(full_lo, first), last)
+    full_hi = tl.minimum(tl.maximum(full_hi, first), last)
+    hi = tl.minimum(tl.maximum(hi, first), last)
     return lo, full_lo, full_hi, hi
 
 
@@ -217,17 +254,24 @@ def dropout_keep(seed_lo, seed_hi, batch, head, rows_q, cols_k, dropout_p):
 
 
 @triton.jit
-def load_seed(Seed, batch, head):
+def load_seed(Seed, batch, head, HAS_DROPOUT: tl.constexpr):
     """The dropout key and the global (batch, head) of this program's rows.
 
     ``Seed`` holds four int32: the two 32-bit halves of the seed, then the global index
     of the launch's first batch entry and first head. Those are 0 unless a sharded
     caller runs the kernel on a slice of the batch or heads; with them a shard draws
-    exactly the rows of the unsharded mask.
+    exactly the rows of the unsharded mask. Without dropout nothing is read.
     """
-    seed_lo = tl.load(Seed).to(tl.uint32, bitcast=True)
-    seed_hi = tl.load(Seed + 1).to(tl.uint32, bitcast=True)
-    return seed_lo, seed_hi, batch + tl.load(Seed + 2), head + tl.load(Seed + 3)
+    seed_lo = 0
+    seed_hi = 0
+    mask_batch = batch
+    mask_head = head
+    if HAS_DROPOUT:
+        seed_lo = tl.load(Seed).to(tl.uint32, bitcast=True)
+        seed_hi = tl.load(Seed + 1).to(tl.uint32, bitcast=True)
+        mask_batch = batch + tl.load(Seed + 2)
+        mask_head = head + tl.load(Seed + 3)
+    return seed_lo, seed_hi, mask_batch, mask_head
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from .configs import tile_config
+from .configs import seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
@@ -152,8 +152,17 @@ class AttentionProblem:
 
 @dataclass(frozen=True)
 class ForwardPlan:
+    """The forward kernel, and with split-KV (``num_splits > 1``) the kernel that merges
+    its partial results (``combine``). Run ``launches`` in order."""
     problem: AttentionProblem
     launch: Launch
+    combine: Launch | None = None
+    num_splits: int = 1
+    pack_gqa: bool = False
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return (self.launch,) if self.combine is None else (self.launch, self.combine)
 
 
 @dataclass(frozen=True)
@@ -442,37 +451,107 @@ def _bias_alibi_scalars(p: AttentionProblem, bias_st) -> tuple:
 # Plans
 
 
+PACK_GQA_BELOW = 64  # the smallest query tile of the tuned table
+
+
+def pack_gqa(problem: AttentionProblem) -> bool:
+    """Pack a K/V head's group of query heads into the rows of one tile when the queries
+    alone would leave a tile mostly empty (decode: seqlen_q of 1 to a few): K and V are
+    then read once per group rather than once per query head."""
+    return problem.group_size > 1 and problem.seqlen_q < PACK_GQA_BELOW
+
+
+def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
+    """Split-KV: how many slices of the keys to give each query block, so that a grid of
+    ``programs`` fills ``num_sms`` multiprocessors (two programs each). flash-attn's
+    rule: no split once the grid fills 80% of the slots; else the fewest splits whose
+    wave efficiency is within 85% of the best, with at least two key blocks a split."""
+    if num_sms is None or num_sms < 1:
+        return 1
+    slots = 2 * num_sms
+    if programs >= 0.8 * slots:
+        return 1
+    max_splits = min(128, slots, max(1, key_blocks // 2))
+
+    def distinct(splits):  # a count that changes the blocks per split
+        return splits == 1 or _cdiv(key_blocks, splits) != _cdiv(key_blocks, splits - 1)
+
+    efficiency = {}
+    for splits in range(1, max_splits + 1):
+        if distinct(splits):
+            waves = programs * splits / slots
+            efficiency[splits] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return min(s for s, e in efficiency.items() if e >= 0.85 * best)
+
+
 # A plan is a pure function of a validated problem, the device and the strides (all
 # hashable): cache it, so that a call with a known shape does not rebuild it (tens of
 # microseconds of Python per call, which small problems would otherwise wait on).
 @functools.lru_cache(maxsize=4096)
 def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | None,
                  q_strides: Shape | None = None, k_strides: Shape | None = None,
-                 v_strides: Shape | None = None, bias_strides: Shape | None = None) -> ForwardPlan:
+                 v_strides: Shape | None = None, bias_strides: Shape | None = None,
+                 num_sms: int | None = None, num_splits: int | None = None) -> ForwardPlan:
     """How to launch the forward. ``capability`` is the GPU's (major, minor), None
-    for the CPU interpreter. Strides are in elements; None means contiguous."""
+    for the CPU interpreter. Strides are in elements; None means contiguous.
+
+    ``num_sms`` (the GPU's multiprocessor count) lets a grid too small for the GPU split
+    the keys across programs (split-KV, then a combine kernel); None never splits.
+    ``num_splits`` forces a split count (tests; 1: none)."""
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
     k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen)
     v_st = _bsh(_strides("v", p.kv_shape, v_strides), p.varlen)
     o_st = _bsh(contiguous_strides(p.out_shape), p.varlen)
     l_st = (0, p.total_q) if p.varlen else contiguous_strides(p.lse_shape)[:2]
-    cfg = tile_config("forward", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
+    packed = pack_gqa(p)
+    rows, heads = (p.seqlen_q * p.group_size, p.heads_k) if packed else (p.seqlen_q, p.heads_q)
+    cfg = tile_config("forward", p.block_d, p.dtype, rows, p.seqlen_k, capability)
+    blocks = _cdiv(rows, cfg.block_m)
+    key_blocks = _cdiv(p.seqlen_k, cfg.block_n) if cfg.block_n else 0
+    if num_splits is None:
+        num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
+    num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
+    split = num_splits > 1
+    if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
+        outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
+                   Output("lse_partial", (num_splits, *p.lse_shape), "float32"))
+        split_strides = (math.prod(p.out_shape), math.prod(p.lse_shape))
+    else:
+        outputs = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
+        split_strides = (0, 0)
     launch = Launch(
         kernel="attention_forward",
-        grid=(_cdiv(p.seqlen_q, cfg.block_m), p.heads_q, p.batch),
+        grid=(blocks * num_splits, heads, p.batch),
         inputs=ATTENTION_INPUTS,
         scalars=(p.softmax_scale * LOG2E, *_feature_scalars(p), p.seqlen_q, p.seqlen_k,
-                 *q_st, *k_st, *v_st, *o_st, *l_st, *_bias_alibi_scalars(p, bias_strides)),
-        outputs=(Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32")),
+                 *q_st, *k_st, *v_st, *o_st, *l_st, *_bias_alibi_scalars(p, bias_strides),
+                 num_splits, *split_strides),
+        outputs=outputs,
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
                         DOT_PRECISION=p.dot_precision,
-                        STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st)),
+                        STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
+                        PACK_GQA=packed, SPLIT_KV=split),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return ForwardPlan(problem, launch)
+    combine = None
+    if split:
+        block_m = min(64, seqlen_bucket(p.seqlen_q))
+        combine = Launch(
+            kernel="attention_forward_combine",
+            grid=(_cdiv(p.seqlen_q, block_m), p.heads_q, p.batch),
+            inputs=("out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k"),
+            scalars=(p.seqlen_q, num_splits, *o_st, *l_st, *split_strides),
+            outputs=(Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32")),
+            constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m,
+                            IS_VARLEN=p.varlen),
+            num_warps=4,
+            num_stages=1,
+        )
+    return ForwardPlan(problem, launch, combine, num_splits, packed)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -480,13 +559,14 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                   q_strides: Shape | None = None, k_strides: Shape | None = None,
                   v_strides: Shape | None = None, out_strides: Shape | None = None,
                   dout_strides: Shape | None = None, bias_strides: Shape | None = None,
-                  bias_grad: bool = False) -> BackwardPlan:
+                  bias_grad: bool = False, has_dlse: bool = True) -> BackwardPlan:
     """How to launch the backward: D = rowsum(dO * O) - dLSE, then dK/dV, then dQ.
 
     Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse (the LSE's
     shape, fp32, contiguous), bias, slopes, seed, cu_seqlens_*; ``delta`` is made by
-    the preprocess. With ``bias_grad``, dq also writes ``dbias``, dense
-    (B, Hq, Sq, Sk) fp32: sum it over ``problem.bias_reduce_axes``.
+    the preprocess. ``has_dlse`` False: the LSE got no gradient (dlse is not read;
+    the same D as a zero dlse, bit for bit). With ``bias_grad``, dq also writes
+    ``dbias``, dense (B, Hq, Sq, Sk) fp32: sum it over ``problem.bias_reduce_axes``.
     """
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
@@ -508,7 +588,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         scalars=(pre_rows, *o_st, *do_st, *l_st),
         outputs=(Output("delta", p.lse_shape, "float32"),),
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=pre.block_m,
-                        STRIDES_ALIGNED=_aligned(o_st, do_st)),
+                        HAS_DLSE=bool(has_dlse), STRIDES_ALIGNED=_aligned(o_st, do_st)),
         num_warps=pre.num_warps,
         num_stages=pre.num_stages,
     )

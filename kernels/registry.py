@@ -12,10 +12,11 @@ from .backward import (  # noqa: E402
     attention_backward_preprocess,
 )
 from .dropout import dropout_mask  # noqa: E402
-from .forward import attention_forward  # noqa: E402
+from .forward import attention_forward, attention_forward_combine  # noqa: E402
 
 KERNELS = {
     "attention_forward": attention_forward,
+    "attention_forward_combine": attention_forward_combine,
     "attention_backward_preprocess": attention_backward_preprocess,
     "attention_backward_dkdv": attention_backward_dkdv,
     "attention_backward_dq": attention_backward_dq,

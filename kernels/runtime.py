@@ -29,6 +29,21 @@ def cuda_device_count() -> int:
     return count.value
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessors(ordinal: int = 0) -> int | None:
+    """The SM count of CUDA device ``ordinal`` (what split-KV sizes its grid by), asked
+    of libcuda so that both front ends read the same number; None without a GPU."""
+    if cuda_device_count() <= ordinal:
+        return None
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, count = ctypes.c_int(0), ctypes.c_int(0)
+    multiprocessor_count = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    if (cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0
+            or cuda.cuDeviceGetAttribute(ctypes.byref(count), multiprocessor_count, device) != 0):
+        return None
+    return count.value
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "yes", "on")

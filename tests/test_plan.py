@@ -38,7 +38,7 @@ def test_forward_grid_and_strides(capability):
     assert launch.scalars[12:15] == (300 * 2 * 72, 2 * 72, 72)
     assert launch.scalars[18:21] == (100 * 8 * 72, 8 * 72, 72)
     assert launch.scalars[21:23] == (8 * 100, 100)
-    assert launch.scalars[23:] == (0, 0, 0, 0, 0)
+    assert launch.scalars[23:] == (0, 0, 0, 0, 0, 1, 0, 0)  # bias, slopes; no split-KV
     assert [o.shape for o in launch.outputs] == [(2, 100, 8, 72), (2, 8, 100)]
     assert launch.constexprs["GROUP_SIZE"] == 4 and launch.constexprs["HEAD_DIM"] == 72
 
@@ -68,6 +68,21 @@ def test_seqlen_buckets():
     cfg = tile_config("forward", 128, "bfloat16", 17, 5000, (9, 0))
     assert cfg.block_m == 32 and cfg.block_n == 64
     assert tile_config("forward", 64, "float16", 4096, 4096, None).block_m == 64
+
+
+@pytest.mark.parametrize("kernel, streamed_by_q", [("forward", False), ("dq", False),
+                                                    ("dkdv", True)])
+def test_pipeline_no_deeper_than_the_loop(kernel, streamed_by_q):
+    # Stages beyond the number of streamed blocks would only take shared memory.
+    from fa_kernels.configs import table_entry
+
+    for seqlen in (1, 64, 128, 200, 4096):
+        cfg = tile_config(kernel, 128, "bfloat16", seqlen, seqlen, (9, 0))
+        entry = table_entry(kernel, 128, "bfloat16", seqlen, seqlen)
+        block = cfg.block_m if streamed_by_q else cfg.block_n
+        assert cfg.num_stages == min(entry.num_stages, max(2, -(-seqlen // block)))
+    assert tile_config("forward", 128, "bfloat16", 128, 128, (9, 0)).num_stages == 2
+    assert tile_config("forward", 128, "bfloat16", 128, 128, None).num_stages == 1
 
 
 def test_same_plan_for_both_front_ends():
@@ -102,5 +117,65 @@ def test_varlen_layout():
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q) == (3, 30, 40, 50)
     assert p.lse_shape == (8, 50) and p.out_shape == (50, 8, 64)
     launch = plan.forward_plan(p, capability=None).launch
-    assert launch.grid[1:] == (8, 3) and launch.constexprs["IS_VARLEN"]
+    # 30 queries of 4 heads a group: one tile of (query, head) rows per K/V head (packed GQA)
+    assert launch.grid == (-(-120 // launch.constexprs["BLOCK_M"]), 2, 3)
+    assert launch.constexprs["IS_VARLEN"] and launch.constexprs["PACK_GQA"]
     assert launch.scalars[9:12] == (0, 8 * 64, 64)  # no batch stride in a packed array
+
+
+@pytest.mark.parametrize("group, seqlen_q, packed", [(1, 1, False), (4, 1, True), (4, 63, True),
+                                                     (4, 64, False), (8, 16, True)])
+def test_pack_gqa_for_short_queries(group, seqlen_q, packed):
+    p = problem(q_shape=(2, seqlen_q, 2 * group, 64), k_shape=(2, 300, 2, 64),
+                v_shape=(2, 300, 2, 64))
+    fwd = plan.forward_plan(p, capability=(9, 0))
+    assert fwd.pack_gqa == packed == fwd.launch.constexprs["PACK_GQA"]
+    rows, heads = (seqlen_q * group, 2) if packed else (seqlen_q, 2 * group)
+    assert fwd.launch.grid == (-(-rows // fwd.launch.constexprs["BLOCK_M"]), heads, 2)
+
+
+def test_split_kv_heuristic():
+    # flash-attn's rule: a grid that fills 80% of two programs per SM is not split;
+    # a small one is split so that the waves come out nearly full.
+    assert plan.num_splits_for(512, 128, 132) == 1
+    assert plan.num_splits_for(128, 128, 132) == 2      # decode, packed GQA: 16 x 8 K/V heads
+    assert plan.num_splits_for(32, 128, 132) == 7       # one query, 32 heads: 224 of 264 slots
+    assert plan.num_splits_for(32, 3, 132) == 1         # too few key blocks to split
+    assert plan.num_splits_for(32, 128, None) == 1      # no SM count (interpreter): no split
+    for programs in range(1, 300, 7):
+        for blocks in (1, 2, 9, 64, 1000):
+            splits = plan.num_splits_for(programs, blocks, 132)
+            assert 1 <= splits <= max(1, blocks // 2)
+
+
+def test_split_kv_plan():
+    p = problem(q_shape=(2, 1, 8, 64), k_shape=(2, 5000, 8, 64), v_shape=(2, 5000, 8, 64))
+    fwd = plan.forward_plan(p, capability=(9, 0), num_sms=132)
+    assert fwd.num_splits > 1 and [x.kernel for x in fwd.launches] == [
+        "attention_forward", "attention_forward_combine"]
+    assert fwd.launch.grid == (fwd.num_splits, 8, 2) and fwd.launch.constexprs["SPLIT_KV"]
+    assert [o.shape for o in fwd.launch.outputs] == [(fwd.num_splits, 2, 1, 8, 64),
+                                                     (fwd.num_splits, 2, 8, 1)]
+    assert fwd.launch.scalars[-3:] == (fwd.num_splits, 2 * 8 * 64, 2 * 8)
+    assert fwd.combine.inputs[:2] == ("out_partial", "lse_partial")
+    assert [o.name for o in fwd.combine.outputs] == ["out", "lse"]
+    assert plan.forward_plan(p, capability=(9, 0)).launches == (
+        plan.forward_plan(p, capability=(9, 0)).launch,)
+
+
+def test_short_sequence_entries():
+    # A short entry serves problems whose longer side falls in its bucket or below;
+    # longer problems take the main table.
+    from fa_kernels import configs
+
+    short = configs.tables("bfloat16")[1]
+    for (kernel, block_d, bucket), cfg in short.items():
+        for seqlen in (bucket // 2 + 1, bucket):
+            got = tile_config(kernel, block_d, "bfloat16", seqlen, seqlen, (9, 0))
+            assert (got.block_m, got.block_n, got.num_warps) == (cfg.block_m, cfg.block_n,
+                                                                 cfg.num_warps)
+        main = configs.tables("bfloat16")[0][(kernel, block_d)]
+        longer = tile_config(kernel, block_d, "bfloat16", 2 * bucket, 2 * bucket, (9, 0))
+        assert (longer.block_m, longer.block_n) == (main.block_m, main.block_n)
+    assert configs.table_entry("forward", 128, "bfloat16", 1, 8192) == \
+        configs.tables("bfloat16")[0][("forward", 128)]

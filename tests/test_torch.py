@@ -88,3 +88,40 @@ def test_bf16_matches_reference_rule_for_large_values():
     assert_close_to_reference("out", out, t_out, f_out, "bfloat16")
     for name, g, t, f in zip("qkv", leaves, t_grads, f_grads):
         assert_close_to_reference("d" + name, g.grad, t, f, "bfloat16", factor=3.0)
+
+
+def test_eager_path_and_custom_op_agree():
+    # Plain eager calls take an autograd.Function over the launches; compile, torch.func
+    # and dispatch modes take the custom op. Same kernels, same formula: same bits.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fa_torch import ops
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = random_qkv(2, 45, 60, 4, 2, 32, "bfloat16")
+    dout = torch.randn_like(q)
+    results = []
+    for mode in (None, Recorder()):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if mode is None:
+            out, lse = fa_torch.attention(*leaves, causal=True, return_lse=True)
+            assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+            out.backward(dout)
+        else:
+            with mode:
+                out, lse = fa_torch.attention(*leaves, causal=True, return_lse=True)
+                out.backward(dout)
+            assert any("fa_torch.attention_forward" in name for name in mode.ops)
+            assert any("fa_torch.attention_backward" in name for name in mode.ops)
+        results.append([out, lse] + [x.grad for x in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert ops._eager([q, k, v]) and not ops._eager([q.as_subclass(torch.nn.Parameter)])
