@@ -13,7 +13,9 @@ the timing process), so a sweep of a few hundred configs fits in minutes.
                               [--out DIR]
 
 ``--seqlen`` below 4096 tunes the short-sequence entries (``_GPU_16BIT_SHORT``: keyed
-by the seqlen bucket they serve up to) instead of the main table.
+by the seqlen bucket they serve up to) instead of the main table. ``--decode [--write]``
+tunes the forward for query tiles of at most 16 rows on decode shapes (Sq = 1, packed GQA
+and not, split-KV) and can write the winner into ``configs.py`` itself.
 
 Prints, per kernel and head dim, the winner beside the current entry, and the table
 lines to paste into ``configs.py``; writes all timings to ``DIR/tune.json``.
@@ -146,6 +148,131 @@ def close(a, b) -> bool:
     return bool(((a - b)[finite].abs().max().item() if finite.any() else 0.0) <= 2e-2 * scale)
 
 
+# Decode (few query rows): (batch, seqlen_q, seqlen_k, heads_q, heads_k), packed GQA and not.
+DECODE_SHAPES = ((16, 1, 8192, 32, 8), (1, 1, 32768, 32, 32))
+
+
+def decode_candidates(head_dim: int, dtype: str):
+    item = 4 if dtype == "float32" else 2
+    out = []
+    for bn, warps, stages in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)):
+        if (configs.FEW_ROWS + 2 * bn * stages) * head_dim * item <= 220 * 1024:
+            out.append(configs.TileConfig(configs.FEW_ROWS, bn, warps, stages))
+    return out
+
+
+def decode_plan(shape, head_dim, dtype, num_sms):
+    batch, seqlen_q, seqlen_k, heads_q, heads_k = shape
+    p = plan.check_problem((batch, seqlen_q, heads_q, head_dim),
+                           (batch, seqlen_k, heads_k, head_dim),
+                           (batch, seqlen_k, heads_k, head_dim), dtype, dtype, dtype)
+    plan.forward_plan.cache_clear()
+    return plan.forward_plan(p, capability=torch.cuda.get_device_capability(), num_sms=num_sms)
+
+
+def _compile_decode(task):
+    """Worker: compile a decode candidate on small problems that specialise the same way
+    (packed GQA and not, split-KV on, keys enough for every stage)."""
+    head_dim, dtype, cfg = task
+    configs._GPU_16BIT_FEW_ROWS[("forward", head_dim)] = configs.TileConfig(*cfg)
+    try:
+        for shape in ((1, 1, 2048, 8, 2), (1, 1, 2048, 4, 4)):
+            fwd = decode_plan(shape, head_dim, dtype, fa_kernels.runtime.multiprocessors(0))
+            arrays = decode_inputs(fwd.problem)
+            for launch in fwd.launches:
+                _launch.run(launch, arrays, torch.device("cuda"))
+        torch.cuda.synchronize()
+        return task, None
+    except Exception as exc:  # noqa: BLE001
+        return task, f"{type(exc).__name__}: {str(exc)[:100]}"
+
+
+def decode_inputs(p, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tdtype = getattr(torch, p.dtype)
+    return {name: torch.randn(p.q_shape if name == "q" else p.kv_shape, device="cuda",
+                              dtype=tdtype, generator=gen) for name in ("q", "k", "v")}
+
+
+def tune_decode(args):
+    """Time every decode candidate on DECODE_SHAPES (forward + combine); print the
+    winner per head dim and, with --write, put it in configs.py's few-rows table."""
+    import triton.testing
+
+    dtype = args.dtype
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    num_sms = fa_kernels.runtime.multiprocessors(0)
+    tasks = [(d, dtype, tuple(c.__dict__.values())) for d in head_dims
+             for c in decode_candidates(d, dtype)]
+    with futures.ProcessPoolExecutor(args.workers,
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = {task for task, error in pool.map(_compile_decode, tasks) if error}
+    lines = []
+    for head_dim in head_dims:
+        table = configs._GPU_16BIT_FEW_ROWS
+        current = table.get(("forward", head_dim))
+
+        def time_all():
+            ms, outs = [], []
+            for shape in DECODE_SHAPES:
+                fwd = decode_plan(shape, head_dim, dtype, num_sms)
+                arrays = decode_inputs(fwd.problem)
+
+                def run():
+                    results = dict(arrays)
+                    for launch in fwd.launches:
+                        _launch.run(launch, results, torch.device("cuda"))
+                    return results["out"]
+                outs.append(run().clone())
+                ms.append(triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median"))
+            return ms, outs
+
+        table.pop(("forward", head_dim), None)
+        base_ms, base_out = time_all()  # the main table's entry, shrunk to the rows
+        print(f"decode D={head_dim} main entry: {' / '.join(f'{m:.3f}' for m in base_ms)} ms",
+              flush=True)
+        best = (sum(base_ms), None, base_ms)
+        for cfg in decode_candidates(head_dim, dtype):
+            if (head_dim, dtype, tuple(cfg.__dict__.values())) in failed:
+                continue
+            table[("forward", head_dim)] = cfg
+            try:
+                ms, outs = time_all()
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {cfg}: {type(exc).__name__}", file=sys.stderr)
+                continue
+            finally:
+                table.pop(("forward", head_dim), None)
+            ok = all(close(a, b) for a, b in zip(outs, base_out))
+            print(f"  {cfg}: {' / '.join(f'{m:.3f}' for m in ms)} ms{'' if ok else ' WRONG'}",
+                  file=sys.stderr, flush=True)
+            if ok and sum(ms) < best[0]:
+                best = (sum(ms), cfg, ms)
+        if current is not None:
+            table[("forward", head_dim)] = current
+        _, cfg, ms = best
+        if cfg is None:
+            lines.append(f"# decode D={head_dim}: the main entry won")
+            continue
+        shapes = ", ".join(f"B{b} Sq{sq} Sk{sk} H{hq}/{hk}" for b, sq, sk, hq, hk in DECODE_SHAPES)
+        lines.append(f'    ("forward", {head_dim}): TileConfig({cfg.block_m}, {cfg.block_n}, '
+                     f'{cfg.num_warps}, {cfg.num_stages}),  # {" / ".join(f"{m:.3f}" for m in ms)}'
+                     f' ms against {" / ".join(f"{m:.3f}" for m in base_ms)} ({shapes})')
+        print(lines[-1], flush=True)
+    if args.write:
+        path = os.path.join(os.path.dirname(configs.__file__), "configs.py")
+        text = open(path).read()
+        head, rest = text.split("# BEGIN few-rows\n")
+        _, tail = rest.split("# END few-rows\n")
+        entries = [line for line in lines if not line.startswith("#")]
+        block = ("_GPU_16BIT_FEW_ROWS = {\n" + "\n".join(entries) + "\n}\n" if entries
+                 else "_GPU_16BIT_FEW_ROWS: dict = {}\n")
+        with open(path, "w") as fh:
+            fh.write(head + "# BEGIN few-rows\n" + block + "# END few-rows\n" + tail)
+        print(f"wrote {len(entries)} entries to {path}", flush=True)
+    return lines
+
+
 def main(argv=None):
     import triton.testing
 
@@ -156,7 +283,13 @@ def main(argv=None):
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    parser.add_argument("--decode", action="store_true",
+                        help="tune the forward for few query rows (decode) instead")
+    parser.add_argument("--write", action="store_true",
+                        help="with --decode: write the winners into kernels/configs.py")
     args = parser.parse_args(argv)
+    if args.decode:
+        return tune_decode(args)
     dtype, kernels = args.dtype, args.kernels.split(",")
     head_dims = [int(d) for d in args.head_dims.split(",")]
     capability = torch.cuda.get_device_capability()

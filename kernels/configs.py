@@ -75,6 +75,14 @@ _GPU_16BIT_SHORT = {
 }
 _GPU_32BIT_SHORT: dict = {}
 
+# Query tiles of at most 16 rows (decode: a few queries, or a packed GQA group), keyed by
+# (kernel, block_d): memory-bound, they want other tiles than the compute-bound table
+# above. Written by `tune.py --decode` between the markers.
+# BEGIN few-rows
+_GPU_16BIT_FEW_ROWS: dict = {}
+# END few-rows
+FEW_ROWS = 16
+
 # The interpreter pays ~5 ms of Python per tile step, whatever its size: big tiles.
 _INTERPRETER = TileConfig(64, 64, 4, 1)
 
@@ -95,6 +103,10 @@ def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     """The GPU table's config before it is fitted to the sequence lengths."""
     table, short = tables(dtype)
     block_d = 0 if kernel == "preprocess" else block_d
+    if dtype != "float32" and seqlen_bucket(seqlen_q) <= FEW_ROWS:
+        entry = _GPU_16BIT_FEW_ROWS.get((kernel, block_d))
+        if entry is not None:
+            return entry
     bucket = seqlen_bucket(max(seqlen_q, seqlen_k))
     served = [b for (k, d, b) in short if k == kernel and d == block_d and b >= bucket]
     return short[(kernel, block_d, min(served))] if served else table[(kernel, block_d)]

@@ -22,10 +22,11 @@ RUNNERS = {"torch": run_torch, "jax": run_jax}
 @pytest.mark.parametrize("seqlen_q, heads_q, heads_k", [(1, 8, 2), (5, 6, 2), (1, 4, 4),
                                                         (3, 4, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_decode_against_reference(front, seqlen_q, heads_q, heads_k, causal):
+@pytest.mark.parametrize("head_dim", [64, 128] if ON_GPU else [64])  # 128: a tuned few-rows entry
+def test_decode_against_reference(front, seqlen_q, heads_q, heads_k, causal, head_dim):
     # On the GPU, 2 x heads_k programs over 4000 keys leave the SMs idle: split-KV.
     seqlen_k = 4000 if ON_GPU else 150
-    check_against_reference(RUNNERS[front], 2, seqlen_q, seqlen_k, heads_q, heads_k, 64,
+    check_against_reference(RUNNERS[front], 2, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
                             "bfloat16", causal)
 
 

@@ -179,3 +179,19 @@ def test_short_sequence_entries():
         assert (longer.block_m, longer.block_n) == (main.block_m, main.block_n)
     assert configs.table_entry("forward", 128, "bfloat16", 1, 8192) == \
         configs.tables("bfloat16")[0][("forward", 128)]
+
+
+def test_few_rows_entries(monkeypatch):
+    # Query tiles of at most 16 rows (decode, packed GQA groups) take the few-rows table.
+    from fa_kernels import configs
+
+    entry = configs.TileConfig(16, 128, 4, 2)
+    monkeypatch.setitem(configs._GPU_16BIT_FEW_ROWS, ("forward", 128), entry)
+    assert tile_config("forward", 128, "bfloat16", 4, 8192, (9, 0)) == entry
+    assert tile_config("forward", 128, "bfloat16", 17, 8192, (9, 0)).block_m == 32
+    assert tile_config("forward", 128, "float32", 4, 8192, (9, 0)).block_n != 128
+    plan.forward_plan.cache_clear()
+    p = problem(q_shape=(2, 1, 8, 128), k_shape=(2, 8192, 2, 128), v_shape=(2, 8192, 2, 128))
+    launch = plan.forward_plan(p, capability=(9, 0)).launch  # 4 packed rows
+    assert (launch.constexprs["BLOCK_N"], launch.num_warps) == (128, 4)
+    plan.forward_plan.cache_clear()
