@@ -73,6 +73,9 @@ def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> No
         return
     from fa_kernels import launcher
 
-    with torch.cuda.device(device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        launcher.launch(launch, inputs, results, index)
+    current = torch.cuda.current_device()
+    if device.index is None or device.index == current:  # the usual case: no device switch
+        launcher.launch(launch, inputs, results, current)
+    else:
+        with torch.cuda.device(device):
+            launcher.launch(launch, inputs, results, device.index)

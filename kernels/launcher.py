@@ -15,11 +15,11 @@ pointers). Triton imports here; torch and jax do not.
 from __future__ import annotations
 
 import triton
-from triton import knobs
 
 from . import registry
 
 _COMPILED: dict = {}
+_COMPILED_TYPE = triton.compiler.CompiledKernel  # what the JIT returns on the GPU
 _MAX_ENTRIES = 8192  # plans are cached up to 4096 each way; past this, start over
 
 
@@ -34,12 +34,11 @@ def launch(launch, inputs: list, outputs: list, device: int) -> None:
     kernel = registry.KERNELS[launch.kernel]
     key = _key(launch, (*inputs, *outputs), device)
     entry = _COMPILED.get(key)
-    # Launch hooks (Triton's profiler) are called by the JIT path only: keep to it then.
-    if entry is None or knobs.runtime.launch_enter_hook is not None:
+    if entry is None:
         compiled = kernel[launch.grid](
             *inputs, *launch.scalars, *outputs, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **launch.constexprs)
-        if isinstance(compiled, triton.compiler.CompiledKernel):
+        if isinstance(compiled, _COMPILED_TYPE):  # (the interpreter returns None)
             # The launch is kept in the entry: its id() stays its own while cached.
             tail = [launch.constexprs[name]
                     for name in kernel.arg_names[len(inputs) + len(launch.scalars) + len(outputs):]]
@@ -48,4 +47,5 @@ def launch(launch, inputs: list, outputs: list, device: int) -> None:
             _COMPILED[key] = (launch, compiled, tail)
         return
     _, compiled, tail = entry
+    # The compiled kernel's launcher calls Triton's launch hooks (its profiler) as the JIT does.
     compiled[launch.grid](*inputs, *launch.scalars, *outputs, *tail)

@@ -177,7 +177,7 @@ def test_short_sequence_entries():
         main = configs.tables("bfloat16")[0][(kernel, block_d)]
         longer = tile_config(kernel, block_d, "bfloat16", 2 * bucket, 2 * bucket, (9, 0))
         assert (longer.block_m, longer.block_n) == (main.block_m, main.block_n)
-    assert configs.table_entry("forward", 128, "bfloat16", 1, 8192) == \
+    assert configs.table_entry("forward", 128, "bfloat16", 64, 8192) == \
         configs.tables("bfloat16")[0][("forward", 128)]
 
 
