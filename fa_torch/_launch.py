@@ -20,8 +20,12 @@ _INTERPRETER_LOCK = threading.Lock()
 _PLACEHOLDERS: dict = {}
 
 
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def capability(device: torch.device):

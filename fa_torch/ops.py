@@ -98,12 +98,14 @@ def _bias_strides(bias: Optional[Tensor]):
 
 def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                  dropout_p):
-    """(out, lse): the forward launches (the body of the op below)."""
+                  dropout_p, problem=None):
+    """(out, lse): the forward launches (the body of the op below). ``problem``: the
+    call's validated problem when the caller has it already (the eager path)."""
     q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
-    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
-                         softcap, dropout_p)
+    if problem is None:
+        problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                             (window_left, window_right), softcap, dropout_p)
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                bias_strides=_bias_strides(bias), num_sms=_launch.num_sms(q.device))
@@ -138,12 +140,13 @@ def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-                   window_right, softcap, dropout_p, bias_grad):
+                   window_right, softcap, dropout_p, bias_grad, problem=None):
     """(dq, dk, dv, dbias): the backward launches (the body of the op below)."""
     q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
-    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
-                         softcap, dropout_p)
+    if problem is None:
+        problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                             (window_left, window_right), softcap, dropout_p)
     bwd = fa_plan.backward_plan(problem, capability=_launch.capability(q.device),
                                 q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                 out_strides=out.stride(), dout_strides=dout.stride(),
@@ -208,8 +211,8 @@ def _backward_with(backward):
         if dout is None:
             dout = torch.zeros_like(out)
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed,
-                                     cu_seqlens_q, cu_seqlens_k, *ctx.options, bias_grad)
+        dq, dk, dv, dbias = backward(ctx, dout, q, k, v, out, lse, dlse, bias, alibi_slopes,
+                                     seed, cu_seqlens_q, cu_seqlens_k, *ctx.options, bias_grad)
         return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (4 + len(_OPTION_NAMES))
     return _backward
 
@@ -218,7 +221,7 @@ def _backward_with(backward):
 # calls the launches directly. One formula for both.
 torch.library.register_autograd(
     "fa_torch::attention_forward",
-    _backward_with(lambda *args: attention_backward(*args)),  # looked up per call
+    _backward_with(lambda ctx, *args: attention_backward(*args)),  # looked up per call
     setup_context=_setup_context)
 
 
@@ -229,11 +232,19 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
+        *inputs, problem = inputs  # the op's inputs, then the validated problem
+        output = _forward_impl(*inputs, problem=problem)
         _setup_context(ctx, inputs, output)
+        ctx.problem = problem
         return output
 
-    backward = staticmethod(_backward_with(_backward_impl))
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _eager_backward(ctx, dout, dlse) + (None,)
+
+
+_eager_backward = _backward_with(
+    lambda ctx, *args: _backward_impl(*args, problem=ctx.problem))
 
 
 def _eager(tensors) -> bool:
@@ -247,13 +258,14 @@ def _eager(tensors) -> bool:
     return all(x is None or type(x) is torch.Tensor for x in tensors)
 
 
-def _call_forward(*args):
-    """attention_forward(*args), by the eager path when it may."""
+def _call_forward(problem, *args):
+    """attention_forward(*args), by the eager path when it may (``problem``: the
+    arguments' validated problem, which the op would validate again)."""
     if not _eager(args[:8]):
         return attention_forward(*args)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:5]):
-        return _EagerAttention.apply(*args)
-    return _forward_impl(*args)
+        return _EagerAttention.apply(*args, problem)
+    return _forward_impl(*args, problem=problem)
 
 
 def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
@@ -309,7 +321,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         fa_plan.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), problem.total_q)
         fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), problem.total_k)
     seed = dropout_seed_tensor(dropout_seed, q.device) if problem.dropout_p > 0 else None
-    out, lse = _call_forward(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
+    out, lse = _call_forward(problem, q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
                              problem.seqlen_q if problem.varlen else 0,
                              problem.seqlen_k if problem.varlen else 0, problem.causal,
                              problem.softmax_scale, window_size[0], window_size[1],

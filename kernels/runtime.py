@@ -44,8 +44,13 @@ def multiprocessors(ordinal: int = 0) -> int | None:
     return count.value
 
 
+_decided: bool | None = None  # set once configure() has run: the answer cannot change after
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1)."""
+    if _decided is not None:
+        return _decided
     return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "yes", "on")
 
 
@@ -54,7 +59,15 @@ def configure() -> None:
 
     An explicit TRITON_INTERPRET in the environment always wins. With no GPU and triton
     already imported in compiled mode, nothing can fix it from here: say what to do.
+    Afterwards ``interpreting()`` answers from memory (it is asked on every launch).
     """
+    global _decided
+    _choose_mode()
+    _decided = None
+    _decided = interpreting()
+
+
+def _choose_mode() -> None:
     if INTERPRET_ENV in os.environ:
         return
     if cuda_device_count() > 0:
