@@ -147,3 +147,22 @@ def test_split_kv_varlen():
         assert_close_to_reference(f"out[{b}]", out[sq][None], t_out, f_out, dtype)
         assert_close_to_reference(f"lse[{b}]", lse[:, sq][None], t_lse, f_lse, dtype)
     assert torch.equal(out[int(cu_q[3]):].cpu(), torch.zeros_like(out[int(cu_q[3]):].cpu()))
+
+
+@pytest.mark.parametrize("front", RUNNERS)
+def test_split_kv_chosen_by_the_plan_with_every_option(front, monkeypatch):
+    # The interpreter never splits by itself; as a 132-SM GPU would, the plan splits this
+    # small grid (2 x 2 programs over 300 keys), and forward and backward stay right.
+    from fa_jax import _launch as jax_launch
+    from fa_torch import _launch as torch_launch
+
+    monkeypatch.setattr(torch_launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(jax_launch, "num_sms", lambda: 132)
+    problem = fa_plan.check_problem((2, 5, 4, 40), (2, 300, 2, 40), (2, 300, 2, 40),
+                                    "bfloat16", "bfloat16", "bfloat16")
+    assert fa_plan.forward_plan(problem, capability=None, num_sms=132).num_splits > 1
+    gen = torch.Generator().manual_seed(11)
+    slopes = (torch.rand(4, generator=gen) * 0.3).to(DEVICE)
+    check_against_reference(RUNNERS[front], 2, 5, 300, 4, 2, 40, "bfloat16", True,
+                            window_size=(200, -1), alibi_slopes=slopes, softcap=3.0,
+                            dropout_p=0.25, dropout_seed=21, bias_shape=(2, 4, 5, 300))
