@@ -96,16 +96,24 @@ def _bias_strides(bias: Optional[Tensor]):
     return (0,) * (4 - bias.dim()) + tuple(bias.stride())
 
 
+def _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+                dropout_p) -> fa_plan.AttentionProblem:
+    """problem_of for the ops' flat arguments (the window as two ints)."""
+    return problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, causal, softmax_scale, (window_left, window_right), softcap,
+                      dropout_p)
+
+
 def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
                   dropout_p, problem=None):
     """(out, lse): the forward launches (the body of the op below). ``problem``: the
     call's validated problem when the caller has it already (the eager path)."""
     q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
-    if problem is None:
-        problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                             max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                             (window_left, window_right), softcap, dropout_p)
+    problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                                     window_left, window_right, softcap, dropout_p)
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                bias_strides=_bias_strides(bias), num_sms=_launch.num_sms(q.device))
@@ -132,9 +140,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
 @attention_forward.register_fake
 def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       causal, softmax_scale, window_left, window_right, softcap, dropout_p):
-    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, causal, softmax_scale, (window_left, window_right),
-                         softcap, dropout_p)
+    problem = _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, causal, softmax_scale, window_left, window_right,
+                          softcap, dropout_p)
     return q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32)
 
 
@@ -143,10 +151,9 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_s
                    window_right, softcap, dropout_p, bias_grad, problem=None):
     """(dq, dk, dv, dbias): the backward launches (the body of the op below)."""
     q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
-    if problem is None:
-        problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                             max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                             (window_left, window_right), softcap, dropout_p)
+    problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                                     window_left, window_right, softcap, dropout_p)
     bwd = fa_plan.backward_plan(problem, capability=_launch.capability(q.device),
                                 q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                 out_strides=out.stride(), dout_strides=dout.stride(),

@@ -77,10 +77,11 @@ _GPU_32BIT_SHORT: dict = {}
 
 # Query tiles of at most 16 rows (decode: a few queries, or a packed GQA group), keyed by
 # (kernel, block_d): memory-bound, they want other tiles than the compute-bound table
-# above. Written by `tune.py --decode` between the markers.
+# above. Written by `tune.py --decode --write` between the markers; the comment gives the
+# forward + combine time on tune.py's DECODE_SHAPES (H200, 2026-12-03).
 # BEGIN few-rows
 _GPU_16BIT_FEW_ROWS = {
-    ("forward", 128): TileConfig(16, 128, 4, 2),  # 0.140 / 0.142 ms against 0.146 / 0.228 (B16 Sq1 Sk8192 H32/8, B1 Sq1 Sk32768 H32/32)
+    ("forward", 128): TileConfig(16, 128, 4, 2),  # 0.140 / 0.142 ms, main entry 0.146 / 0.228
 }
 # END few-rows
 FEW_ROWS = 16
