@@ -466,7 +466,7 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
     ``programs`` fills ``num_sms`` multiprocessors (two programs each). flash-attn's
     rule: no split once the grid fills 80% of the slots; else the fewest splits whose
     wave efficiency is within 85% of the best, with at least two key blocks a split."""
-    if num_sms is None or num_sms < 1:
+    if num_sms is None or num_sms < 1 or programs < 1:
         return 1
     slots = 2 * num_sms
     if programs >= 0.8 * slots:

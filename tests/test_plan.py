@@ -142,6 +142,9 @@ def test_split_kv_heuristic():
     assert plan.num_splits_for(32, 128, 132) == 7       # one query, 32 heads: 224 of 264 slots
     assert plan.num_splits_for(32, 3, 132) == 1         # too few key blocks to split
     assert plan.num_splits_for(32, 128, None) == 1      # no SM count (interpreter): no split
+    assert plan.num_splits_for(0, 128, 132) == 1        # an empty grid (seqlen_q or batch 0)
+    empty = problem(q_shape=(2, 0, 8, 72))
+    assert plan.forward_plan(empty, capability=(9, 0), num_sms=132).launches[0].empty
     for programs in range(1, 300, 7):
         for blocks in (1, 2, 9, 64, 1000):
             splits = plan.num_splits_for(programs, blocks, 132)
