@@ -255,10 +255,12 @@ _eager_backward = _backward_with(
 
 
 def _eager(tensors) -> bool:
-    """True when plain eager torch runs this call: no torch.compile tracing, no torch.func
-    transform, no dispatch mode (fake tensors, flop counters...), no tensor subclass.
-    Those see the custom op, as they must; everything else takes the shorter path."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    """True when plain eager torch runs this call: no torch.compile or torch.jit tracing,
+    no torch.func transform, no dispatch mode (fake tensors, flop counters...), no tensor
+    subclass. Those see the custom op, as they must; everything else takes the shorter
+    path."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch._C._are_functorch_transforms_active()):
         return False
     if _get_current_dispatch_mode() is not None:
         return False

@@ -125,3 +125,13 @@ def test_eager_path_and_custom_op_agree():
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert ops._eager([q, k, v]) and not ops._eager([q.as_subclass(torch.nn.Parameter)])
+
+
+def test_jit_trace_records_the_op():
+    # torch.jit.trace (and ONNX export through it) must see the custom op, not the
+    # eager Function's launches.
+    q, k, v = random_qkv(1, 20, 20, 2, 2, 16, "float32")
+    traced = torch.jit.trace(lambda q, k, v: fa_torch.attention(q, k, v, causal=True),
+                             (q, k, v), check_trace=False)
+    assert any(node.kind() == "fa_torch::attention_forward" for node in traced.graph.nodes())
+    assert torch.equal(traced(q, k, v), fa_torch.attention(q, k, v, causal=True))
