@@ -101,13 +101,17 @@ def plans(p, capability):
                for k in ("preprocess", "dkdv", "dq")}}
 
 
-def inputs_for(p, capability, seed=0):
-    """Every array the three kernels read, made with the current table."""
+def random_arrays(p, names, seed=0):
+    """Random q-shaped (q, dout) and k/v-shaped arrays of the problem's dtype."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tdtype = getattr(torch, p.dtype)
-    arrays = {name: torch.randn(p.q_shape if name in ("q", "dout") else p.kv_shape,
-                                device="cuda", dtype=tdtype, generator=gen)
-              for name in ("q", "k", "v", "dout")}
+    return {name: torch.randn(p.q_shape if name in ("q", "dout") else p.kv_shape,
+                              device="cuda", dtype=tdtype, generator=gen) for name in names}
+
+
+def inputs_for(p, capability, seed=0):
+    """Every array the three kernels read, made with the current table."""
+    arrays = random_arrays(p, ("q", "k", "v", "dout"), seed)
     arrays["dlse"] = torch.zeros(p.lse_shape, device="cuda", dtype=torch.float32)
     launches = plans(p, capability)
     _launch.run(launches["forward"].launch, arrays, torch.device("cuda"))
@@ -178,20 +182,13 @@ def _compile_decode(task):
     try:
         for shape in ((1, 1, 2048, 8, 2), (1, 1, 2048, 4, 4)):
             fwd = decode_plan(shape, head_dim, dtype, fa_kernels.runtime.multiprocessors(0))
-            arrays = decode_inputs(fwd.problem)
+            arrays = random_arrays(fwd.problem, ("q", "k", "v"))
             for launch in fwd.launches:
                 _launch.run(launch, arrays, torch.device("cuda"))
         torch.cuda.synchronize()
         return task, None
     except Exception as exc:  # noqa: BLE001
         return task, f"{type(exc).__name__}: {str(exc)[:100]}"
-
-
-def decode_inputs(p, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    tdtype = getattr(torch, p.dtype)
-    return {name: torch.randn(p.q_shape if name == "q" else p.kv_shape, device="cuda",
-                              dtype=tdtype, generator=gen) for name in ("q", "k", "v")}
 
 
 def tune_decode(args):
@@ -216,7 +213,7 @@ def tune_decode(args):
             ms, outs = [], []
             for shape in DECODE_SHAPES:
                 fwd = decode_plan(shape, head_dim, dtype, num_sms)
-                arrays = decode_inputs(fwd.problem)
+                arrays = random_arrays(fwd.problem, ("q", "k", "v"))
 
                 def run():
                     results = dict(arrays)

@@ -171,18 +171,13 @@ class _DevicePointer:
         return self.address
 
 
-@functools.lru_cache(maxsize=None)
-def _libcuda():
-    return ctypes.CDLL("libcuda.so.1")
-
-
 def _device_of(address: int) -> int:
     """The CUDA ordinal owning a device address (each device runs its own calls)."""
     ordinal = ctypes.c_int(0)
     pointer_attribute_device_ordinal = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    status = _libcuda().cuPointerGetAttribute(ctypes.byref(ordinal),
-                                              pointer_attribute_device_ordinal,
-                                              ctypes.c_uint64(address))
+    status = runtime.libcuda().cuPointerGetAttribute(ctypes.byref(ordinal),
+                                                     pointer_attribute_device_ordinal,
+                                                     ctypes.c_uint64(address))
     if status != 0:
         raise RuntimeError(f"cuPointerGetAttribute failed ({status}) for address {address:#x}")
     return ordinal.value
@@ -215,8 +210,9 @@ def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
         _report(launch, error)
         for pointer, o in zip(outputs or [], launch.outputs if launch else []):
             nbytes = int(np.prod(o.shape)) * np.dtype(jnp.dtype(o.dtype)).itemsize
-            _libcuda().cuMemsetD8Async(ctypes.c_uint64(pointer.address), ctypes.c_ubyte(0xFF),
-                                       ctypes.c_size_t(nbytes), ctypes.c_void_p(stream))
+            runtime.libcuda().cuMemsetD8Async(ctypes.c_uint64(pointer.address),
+                                              ctypes.c_ubyte(0xFF), ctypes.c_size_t(nbytes),
+                                              ctypes.c_void_p(stream))
 
 
 # CPU -----------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 Registered with ``torch.library.custom_op`` with fake (meta) implementations, so
 ``torch.compile(fullgraph=True)`` keeps the call in its graph; the autograd formula
-is registered on the op. Plain eager calls (no compile, no torch.func transform, no
-dispatch mode, plain tensors) skip the op's dispatch through an ``autograd.Function``
-over the same launches and the same formula: the same kernels, the same bits, less
-host time per call.
+is registered on the op. Plain eager calls (no compile or jit tracing, no torch.func
+transform, no dispatch mode, plain tensors) skip the op's dispatch through an
+``autograd.Function`` over the same launches and the same formula: the same kernels, the
+same bits, less host time per call.
 """
 from __future__ import annotations
 

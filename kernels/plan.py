@@ -514,13 +514,13 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
+    results = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
                    Output("lse_partial", (num_splits, *p.lse_shape), "float32"))
         split_strides = (math.prod(p.out_shape), math.prod(p.lse_shape))
     else:
-        outputs = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
-        split_strides = (0, 0)
+        outputs, split_strides = results, (0, 0)
     launch = Launch(
         kernel="attention_forward",
         grid=(blocks * num_splits, heads, p.batch),
@@ -545,7 +545,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
             grid=(_cdiv(p.seqlen_q, block_m), p.heads_q, p.batch),
             inputs=("out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k"),
             scalars=(p.seqlen_q, num_splits, *o_st, *l_st, *split_strides),
-            outputs=(Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32")),
+            outputs=results,
             constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m,
                             IS_VARLEN=p.varlen),
             num_warps=4,

@@ -15,13 +15,19 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 
 
 @functools.lru_cache(maxsize=None)
+def libcuda():
+    """The CUDA driver library (ctypes), or None on a machine without one."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
 def cuda_device_count() -> int:
     """CUDA devices the driver sees (0 with no driver), asked of libcuda directly."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    if cuda.cuInit(0) != 0:
+    cuda = libcuda()
+    if cuda is None or cuda.cuInit(0) != 0:
         return 0
     count = ctypes.c_int(0)
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
@@ -35,7 +41,7 @@ def multiprocessors(ordinal: int = 0) -> int | None:
     of libcuda so that both front ends read the same number; None without a GPU."""
     if cuda_device_count() <= ordinal:
         return None
-    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda = libcuda()
     device, count = ctypes.c_int(0), ctypes.c_int(0)
     multiprocessor_count = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
     if (cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0
@@ -47,11 +53,13 @@ def multiprocessors(ordinal: int = 0) -> int | None:
 _decided: bool | None = None  # set once configure() has run: the answer cannot change after
 
 
+def _interpret_env() -> bool:
+    return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "yes", "on")
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its interpreter (TRITON_INTERPRET=1)."""
-    if _decided is not None:
-        return _decided
-    return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "yes", "on")
+    return _decided if _decided is not None else _interpret_env()
 
 
 def configure() -> None:
@@ -63,8 +71,7 @@ def configure() -> None:
     """
     global _decided
     _choose_mode()
-    _decided = None
-    _decided = interpreting()
+    _decided = _interpret_env()
 
 
 def _choose_mode() -> None:
