@@ -99,6 +99,12 @@ def main():
         x.grad = None
         Identity.apply(x).backward(x)
 
+    def on_calling_thread(fn):  # the backward without autograd's device-thread hand-off
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                fn()
+        return run
+
     cuda_leaf = torch.ones(4, device=device, requires_grad=True)
     cpu_leaf = torch.ones(4, requires_grad=True)
 
@@ -118,9 +124,11 @@ def main():
         ("custom op fa_torch::attention_backward", lambda: ops.attention_backward(*bwd_args)),
         ("its implementation, called directly", lambda: ops.attention_backward._init_fn(*bwd_args)),
         ("fa_torch fwd+bwd (autograd)", fwd_bwd),
+        ("fa_torch fwd+bwd, autograd multithreading off", on_calling_thread(fwd_bwd)),
         (f"identity autograd.Function fwd+bwd, {device} tensor", lambda: identity_fwd_bwd(cuda_leaf)),
         ("identity autograd.Function fwd+bwd, CPU tensor", lambda: identity_fwd_bwd(cpu_leaf)),
         ("torch SDPA fwd+bwd", sdpa_fwd_bwd),
+        ("torch SDPA fwd+bwd, autograd multithreading off", on_calling_thread(sdpa_fwd_bwd)),
     ]
     print(f"| call ({args.calls} calls, B=1 S=128 H=2 D=64 bf16) | host us per call |")
     print("|---|---|")

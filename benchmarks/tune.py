@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as futures
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -44,7 +45,7 @@ LAUNCH_OF = {"forward": "launch", "dkdv": "dkdv", "dq": "dq"}
 CHECKED = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq",)}
 
 
-def candidates(kernel: str, head_dim: int, dtype: str):
+def candidates(kernel: str, head_dim: int, dtype: str, hopper: bool = False):
     if kernel == "forward":
         blocks_m, blocks_n = (64, 128), (32, 64, 128)
     elif kernel == "dkdv":  # block_m: queries streamed, block_n: keys held
@@ -61,7 +62,16 @@ def candidates(kernel: str, head_dim: int, dtype: str):
         if smem > 220 * 1024 or (head_dim >= 256 and bm * bn > 64 * 64 and warps == 4):
             continue
         out.append(configs.TileConfig(bm, bn, warps, stages))
+        if kernel == "forward" and hopper:  # K/V through TMA, with and without warp specialisation
+            out.append(configs.TileConfig(bm, bn, warps, stages, tma=True))
+            out.append(configs.TileConfig(bm, bn, warps, stages, tma=True, warp_specialize=True))
     return out
+
+
+def entry(cfg) -> str:
+    """A config as its line in configs.py."""
+    extra = "".join(f", {name}=True" for name in ("tma", "warp_specialize") if getattr(cfg, name))
+    return f"TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{extra})"
 
 
 LONG = 4096  # the main table's entries are tuned here; shorter --seqlen tunes a short entry
@@ -251,8 +261,7 @@ def tune_decode(args):
         if cfg is None:
             lines.append(f"# decode D={head_dim}: the main entry won")
             continue
-        lines.append(f'    ("forward", {head_dim}): TileConfig({cfg.block_m}, {cfg.block_n}, '
-                     f'{cfg.num_warps}, {cfg.num_stages}),  # {" / ".join(f"{m:.3f}" for m in ms)}'
+        lines.append(f'    ("forward", {head_dim}): {entry(cfg)},  # {" / ".join(f"{m:.3f}" for m in ms)}'
                      f' ms, main entry {" / ".join(f"{m:.3f}" for m in base_ms)}')
         print(lines[-1], flush=True)
     if args.write:
@@ -290,8 +299,9 @@ def main(argv=None):
     head_dims = [int(d) for d in args.head_dims.split(",")]
     capability = torch.cuda.get_device_capability()
 
-    tasks = [(kernel, d, dtype, args.seqlen, (c.block_m, c.block_n, c.num_warps, c.num_stages))
-             for d in head_dims for kernel in kernels for c in candidates(kernel, d, dtype)]
+    hopper = capability >= (9, 0)
+    tasks = [(kernel, d, dtype, args.seqlen, dataclasses.astuple(c))
+             for d in head_dims for kernel in kernels for c in candidates(kernel, d, dtype, hopper)]
     start = time.time()
     failed = {}
     with futures.ProcessPoolExecutor(args.workers,
@@ -316,9 +326,8 @@ def main(argv=None):
                                   torch.device("cuda"))
                 baseline[c] = {n: out[n].clone() for n in CHECKED[kernel]}
             timed = []
-            for cfg in candidates(kernel, head_dim, dtype):
-                key = (kernel, head_dim, dtype, args.seqlen, (cfg.block_m, cfg.block_n,
-                                                              cfg.num_warps, cfg.num_stages))
+            for cfg in candidates(kernel, head_dim, dtype, hopper):
+                key = (kernel, head_dim, dtype, args.seqlen, dataclasses.astuple(cfg))
                 if key in failed:
                     continue
                 put(where, cfg)
@@ -346,8 +355,7 @@ def main(argv=None):
                 lines.append(f"# {kernel} D={head_dim}: no candidate passed")
                 continue
             total, best, ms, _ = good[0]
-            line = (f'{where[1]!r}: TileConfig({best.block_m}, {best.block_n}, '
-                    f'{best.num_warps}, {best.num_stages}),').replace("'", '"')
+            line = f'{where[1]!r}: {entry(best)},'.replace("'", '"')
             note = (f"{ms[False]:.3f} / {ms[True]:.3f} ms (causal)"
                     + (f"; table now {serving}: {now[2][False]:.3f} / {now[2][True]:.3f} ms"
                        if now else ""))

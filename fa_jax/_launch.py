@@ -197,6 +197,7 @@ def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
         import torch
 
         from fa_kernels import launcher
+        from fa_torch import _launch as torch_launch
 
         n_operands = len(operands)
         args = [_DevicePointer(buffers[i] or 0, dtype)
@@ -205,7 +206,7 @@ def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
                    for j, o in enumerate(launch.outputs)]
         device = _device_of(args[0].address)
         with torch.cuda.device(device), torch.cuda.stream(_external_stream(stream or 0, device)):
-            launcher.launch(launch, args, outputs, device)
+            launcher.launch(launch, args, outputs, device, torch_launch.scratch)
     except BaseException as error:  # noqa: BLE001  (nothing may unwind into XLA)
         _report(launch, error)
         for pointer, o in zip(outputs or [], launch.outputs if launch else []):

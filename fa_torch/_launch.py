@@ -69,17 +69,25 @@ def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> No
     inputs = [arrays[name] if arrays.get(name) is not None else placeholder(device)
               for name in launch.inputs]
     results = [outputs[o.name] for o in launch.outputs]
+    from fa_kernels import launcher
+
     if runtime.interpreting():
+        launch = launcher.fit_to_arrays(launch, inputs)
         kernel = fa_kernels.kernel(launch.kernel)[launch.grid]
         with _INTERPRETER_LOCK:
             kernel(*inputs, *launch.scalars, *results, num_warps=launch.num_warps,
                    num_stages=launch.num_stages, **launch.constexprs)
         return
-    from fa_kernels import launcher
-
     current = torch.cuda.current_device()
     if device.index is None or device.index == current:  # the usual case: no device switch
-        launcher.launch(launch, inputs, results, current)
+        launcher.launch(launch, inputs, results, current, scratch)
     else:
         with torch.cuda.device(device):
-            launcher.launch(launch, inputs, results, device.index)
+            launcher.launch(launch, inputs, results, device.index, scratch)
+
+
+def scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Device scratch for kernels that build tensor descriptors (128 bytes each a program),
+    from torch's caching allocator on the current device and stream (fa_jax's launches
+    too: they run with XLA's stream made current)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -19,6 +19,11 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Forward only, Hopper (sm_90) and newer: K/V blocks through tensor descriptors (TMA),
+    # and warp specialisation of the unmasked key loop. Either is dropped where the plan
+    # or the launcher finds it does not apply (older GPUs, unaligned strides or pointers).
+    tma: bool = False
+    warp_specialize: bool = False
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
@@ -133,4 +138,5 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
         # program an SM could run: short sequences would pay for stages they never fill.
         streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
         num_stages = min(num_stages, max(2, -(-streamed // block)))
-    return TileConfig(block_m, block_n, num_warps, num_stages)
+    tma = base.tma and (capability is None or capability >= (9, 0))  # (the interpreter has it)
+    return TileConfig(block_m, block_n, num_warps, num_stages, tma, tma and base.warp_specialize)

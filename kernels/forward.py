@@ -13,24 +13,24 @@ path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (LN2, aligned, dropout_keep, key_blocks, load_rows, load_seed, load_tile,
-                      scores, sequence_bounds, softmax_step, split_blocks, store_rows, store_tile,
-                      visible)
+from .helpers import (LN2, aligned, dropout_keep, key_blocks, key_source, load_key_block,
+                      load_rows, load_seed, load_tile, scores, sequence_bounds, softmax_step,
+                      split_blocks, store_rows, store_tile, visible)
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
+def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, batch, head,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
             LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
             HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Fold the key block starting at ``start_n`` into the running softmax."""
     cols = start_n + offs_n
-    k = load_tile(k_base + tl.cast(start_n, tl.int64) * stride_kn, offs_n, offs_d, stride_kn,
-                  seqlen_k - start_n, HEAD_DIM, BLOCK_D, MASKED)
+    k = load_key_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
+                       MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
                softcap_log2, bias_base, stride_bm, stride_bn, slope,
@@ -42,8 +42,8 @@ def _attend(acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, 
     if HAS_DROPOUT:  # l keeps the undropped sum: dropout acts on normalised probabilities
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
-    v = load_tile(v_base + tl.cast(start_n, tl.int64) * stride_vn, offs_n, offs_d, stride_vn,
-                  seqlen_k - start_n, HEAD_DIM, BLOCK_D, MASKED)
+    v = load_key_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
+                       MASKED, USE_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -67,7 +67,8 @@ def attention_forward(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr,
+    PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -144,27 +145,34 @@ def attention_forward(
     if SPLIT_KV:
         lo, full_lo, full_hi, hi = split_blocks(lo, full_lo, full_hi, hi, split, num_splits,
                                                 seqlen_k, BLOCK_N)
+    k_source = key_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_source = key_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
+            acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
-            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
+            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+            USE_TMA)
+    # The unmasked bulk of the keys: on Hopper, warp specialisation can give the loads and
+    # the two matmuls their own warps (the softmax then hides under the tensor cores).
+    for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
+            acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
-            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+            USE_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_base, v_base, bias_base, start_n, rows, offs_n, offs_d,
+            acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
-            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+            USE_TMA)
 
     # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0.
     seen = l_i > 0.0
@@ -182,11 +190,10 @@ def attention_forward(
         store_rows(o_batch + q_start * stride_om, out,
                    tl.cast(rows, tl.int64) * stride_om + head64 * stride_oh, rows < seqlen_q,
                    offs_d, HEAD_DIM, BLOCK_D)
-        tl.store(lse_batch + head64 * stride_lh + rows, lse, mask=rows < seqlen_q)
     else:
         store_tile(o_batch + head64 * stride_oh + q_row0 * stride_om, out, offs_m, offs_d,
                    stride_om, seqlen_q - row_lo, HEAD_DIM, BLOCK_D)
-        tl.store(lse_batch + head64 * stride_lh + rows, lse, mask=rows < seqlen_q)
+    tl.store(lse_batch + head64 * stride_lh + rows, lse, mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -200,7 +207,8 @@ def attention_forward_combine(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-    """Merge split-KV partial results: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s.
+    """Merge split-KV partial results: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s
+    (two passes over the splits: their largest LSE, then the weighted sums).
 
     The partial buffers have the layout of Out and LSE (fp32) with a leading split axis.
     """
@@ -225,18 +233,17 @@ def attention_forward_combine(
     seen = lse_max > float("-inf")  # else no split saw a key: output 0, LSE -inf
     m_ref = tl.where(seen, lse_max, 0.0)
     total = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
-        total += tl.exp(lse_s - m_ref)
-    lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    lse_ref = tl.where(seen, lse, 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s in range(num_splits):
         lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
-        weight = tl.where(seen, tl.exp(lse_s - lse_ref), 0.0)
+        weight = tl.exp(lse_s - m_ref)  # 0 for an empty split (LSE -inf)
         part = load_tile(o_base + tl.cast(s, tl.int64) * stride_os, offs_m, offs_d, stride_om,
                          seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
+        total += weight
         acc += weight[:, None] * part
+    total_safe = tl.where(seen, total, 1.0)
+    acc = acc / total_safe[:, None]
+    lse = tl.where(seen, m_ref + tl.log(total_safe), float("-inf"))
 
     out_base = (Out + batch64 * stride_ob + head * stride_oh
                 + (q_start + tl.cast(start_m, tl.int64)) * stride_om)

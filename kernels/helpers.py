@@ -32,31 +32,20 @@ def aligned(stride, STRIDES_ALIGNED: tl.constexpr):
 def load_tile(base, offs_row, offs_d, stride_row, num_rows,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """A (rows, BLOCK_D) tile; rows >= num_rows and columns >= HEAD_DIM read as 0."""
-    ptrs = base + offs_row[:, None] * stride_row + offs_d[None, :]
     if CHECK_ROWS:
-        if HEAD_DIM == BLOCK_D:
-            tile = tl.load(ptrs, mask=offs_row[:, None] < num_rows, other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=(offs_row[:, None] < num_rows) & (offs_d[None, :] < HEAD_DIM),
-                           other=0.0)
-    else:
-        if HEAD_DIM == BLOCK_D:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return tile
+        return load_rows(base, offs_row * stride_row, offs_row < num_rows, offs_d, HEAD_DIM,
+                         BLOCK_D)
+    ptrs = base + offs_row[:, None] * stride_row + offs_d[None, :]
+    if HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
 
 
 @triton.jit
 def store_tile(base, tile, offs_row, offs_d, stride_row, num_rows,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Store rows < num_rows and columns < HEAD_DIM of a tile, cast to the target dtype."""
-    ptrs = base + offs_row[:, None] * stride_row + offs_d[None, :]
-    value = tile.to(base.dtype.element_ty)
-    if HEAD_DIM == BLOCK_D:
-        tl.store(ptrs, value, mask=offs_row[:, None] < num_rows)
-    else:
-        tl.store(ptrs, value, mask=(offs_row[:, None] < num_rows) & (offs_d[None, :] < HEAD_DIM))
+    store_rows(base, tile, offs_row * stride_row, offs_row < num_rows, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -79,6 +68,28 @@ def store_rows(base, tile, row_offsets, row_ok, offs_d, HEAD_DIM: tl.constexpr,
         tl.store(ptrs, value, mask=row_ok[:, None])
     else:
         tl.store(ptrs, value, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def key_source(base, seqlen_k, stride_n, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where K or V blocks come from: a tensor descriptor (TMA on Hopper: the copy engine
+    fetches a block, and rows past seqlen_k or columns past HEAD_DIM arrive as 0) or
+    the plain base pointer."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, shape=[seqlen_k, HEAD_DIM], strides=[stride_n, 1],
+                                         block_shape=[BLOCK_N, BLOCK_D])
+    return base
+
+
+@triton.jit
+def load_key_block(source, start_n, offs_n, offs_d, stride_n, seqlen_k, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) block of keys (or values) from ``start_n``, 0 past the end."""
+    if USE_TMA:
+        return source.load([start_n, 0])
+    return load_tile(source + tl.cast(start_n, tl.int64) * stride_n, offs_n, offs_d, stride_n,
+                     seqlen_k - start_n, HEAD_DIM, BLOCK_D, CHECK_ROWS)
 
 
 @triton.jit

@@ -10,11 +10,15 @@ straight to the kernel it returned. Both front ends launch through here, so they
 running the same binary.
 
 Arrays are anything with ``data_ptr()`` and ``dtype`` (torch tensors, fa_jax's device
-pointers). Triton imports here; torch and jax do not.
+pointers). Triton imports here; torch and jax do not: a kernel that builds tensor
+descriptors on the device needs scratch memory, which the caller's ``allocate`` gives.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import triton
+from triton.runtime import _allocation
 
 from . import registry
 
@@ -28,9 +32,48 @@ def _key(launch, arrays, device) -> tuple:
             *[(str(a.dtype), a.data_ptr() % 16 == 0) for a in arrays])
 
 
-def launch(launch, inputs: list, outputs: list, device: int) -> None:
+_WITHOUT_TMA: dict = {}
+
+
+def without_tma(launch):
+    """The same launch reading K/V through plain pointers (same arithmetic, same bits)."""
+    entry = _WITHOUT_TMA.get(id(launch))
+    if entry is None:
+        if len(_WITHOUT_TMA) >= _MAX_ENTRIES:
+            _WITHOUT_TMA.clear()
+        constexprs = dict(launch.constexprs, USE_TMA=False, WARP_SPECIALIZE=False)
+        entry = _WITHOUT_TMA[id(launch)] = (launch, dataclasses.replace(launch,
+                                                                        constexprs=constexprs))
+    return entry[1]
+
+
+def fit_to_arrays(launch, inputs: list):
+    """``launch``, or its plain-pointer twin when it reads K/V through tensor descriptors
+    and K or V does not start on 16 bytes: the plan checked the strides, but only the
+    arrays know their addresses (a view can start anywhere)."""
+    if launch.constexprs.get("USE_TMA") and any(
+            a.data_ptr() % 16 for name, a in zip(launch.inputs, inputs) if name in ("k", "v")):
+        return without_tma(launch)
+    return launch
+
+
+def launch(launch, inputs: list, outputs: list, device: int, allocate=None) -> None:
     """Launch ``launch`` on the current stream of ``device`` (already the current
-    device): ``inputs`` in ``launch.inputs`` order, ``outputs`` in ``launch.outputs``."""
+    device): ``inputs`` in ``launch.inputs`` order, ``outputs`` in ``launch.outputs``.
+    ``allocate(size, alignment, stream)`` returns device scratch memory (anything with
+    ``data_ptr()``) for kernels that build tensor descriptors."""
+    launch = fit_to_arrays(launch, inputs)
+    if not (launch.constexprs.get("USE_TMA") and allocate is not None):
+        return _launch(launch, inputs, outputs, device)
+    # Triton asks its (context-local) allocator for the scratch: set it for this launch only.
+    token = _allocation._allocator.set(allocate)
+    try:
+        _launch(launch, inputs, outputs, device)
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def _launch(launch, inputs: list, outputs: list, device: int) -> None:
     kernel = registry.KERNELS[launch.kernel]
     key = _key(launch, (*inputs, *outputs), device)
     entry = _COMPILED.get(key)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from .configs import seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # Every array argument of the attention kernels, in signature order.
@@ -492,13 +493,16 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
 def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | None,
                  q_strides: Shape | None = None, k_strides: Shape | None = None,
                  v_strides: Shape | None = None, bias_strides: Shape | None = None,
-                 num_sms: int | None = None, num_splits: int | None = None) -> ForwardPlan:
+                 num_sms: int | None = None, num_splits: int | None = None,
+                 tma: bool | None = None) -> ForwardPlan:
     """How to launch the forward. ``capability`` is the GPU's (major, minor), None
     for the CPU interpreter. Strides are in elements; None means contiguous.
 
     ``num_sms`` (the GPU's multiprocessor count) lets a grid too small for the GPU split
     the keys across programs (split-KV, then a combine kernel); None never splits.
-    ``num_splits`` forces a split count (tests; 1: none)."""
+    ``num_splits`` forces a split count (tests; 1: none). ``tma`` overrides the table's
+    choice of tensor-descriptor K/V loads (tests run that path in the interpreter too);
+    either way they need K/V strides of whole 16-byte units."""
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
     k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen)
@@ -514,6 +518,9 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
+    # A tensor descriptor's base and row stride must be whole 16-byte units.
+    use_tma = (cfg.tma if tma is None else tma) and all(
+        s * ITEMSIZE[p.dtype] % 16 == 0 for s in (*k_st, *v_st))
     results = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
@@ -533,7 +540,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
                         DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
-                        PACK_GQA=packed, SPLIT_KV=split),
+                        PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma,
+                        WARP_SPECIALIZE=use_tma and cfg.warp_specialize),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,0 +1,141 @@
+"""The forward reading K/V through tensor descriptors (TMA on Hopper), with and without
+warp specialisation: the same results as plain pointer loads, every option, both front
+ends. The interpreter runs the descriptor path too (the table turns it on only for
+sm_90 and newer; these tests turn it on through the table or the plan)."""
+import dataclasses
+
+import pytest
+import torch
+
+from fa_kernels import configs, launcher
+from fa_kernels import plan as fa_plan
+
+from .common import DEVICE, ON_GPU, check_against_reference, random_qkv, run_jax, run_torch
+from .test_decode import _forward_jax, _forward_torch
+
+RUNNERS = {"torch": run_torch, "jax": run_jax}
+CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
+HOPPER = CAPABILITY is None or CAPABILITY >= (9, 0)
+
+
+@pytest.fixture(params=[False, True] if ON_GPU else [False], ids=lambda ws: f"ws={ws}")
+def descriptor_table(request, monkeypatch):
+    """Every forward entry with K/V through descriptors (and warp specialisation)."""
+    flags = dict(tma=True, warp_specialize=request.param)
+    if ON_GPU:
+        for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_SHORT,
+                      configs._GPU_16BIT_FEW_ROWS):
+            for key, cfg in list(table.items()):
+                if key[0] == "forward":
+                    monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
+    else:
+        monkeypatch.setattr(configs, "_INTERPRETER", dataclasses.replace(configs._INTERPRETER,
+                                                                         **flags))
+    fa_plan.forward_plan.cache_clear()
+    yield flags
+    fa_plan.forward_plan.cache_clear()
+
+
+CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, causal, options)
+    "causal-odd-d40": (1, 37, 150, 2, 2, 40, "float16", True, {}),
+    "gqa-decode": (2, 3, 170, 8, 2, 64, "bfloat16", False, {}),
+    "window": (1, 90, 130, 2, 1, 32, "bfloat16", True, dict(window_size=(30, 0))),
+    "fp32": (1, 33, 70, 2, 2, 32, "float32", False, {}),
+}
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("front", RUNNERS)
+@pytest.mark.parametrize("case", CASES)
+def test_descriptor_forward_against_reference(descriptor_table, front, case):
+    batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, causal, options = CASES[case]
+    if ON_GPU:  # GPU-sized keys, so that the unmasked loop runs many blocks
+        seqlen_k *= 8
+    q_shape, kv_shape = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_k, head_dim)
+    problem = fa_plan.check_problem(q_shape, kv_shape, kv_shape, dtype, dtype, dtype,
+                                    causal=causal, **options)
+    assert fa_plan.forward_plan(problem, capability=CAPABILITY).launch.constexprs["USE_TMA"]
+    check_against_reference(RUNNERS[front], batch, seqlen_q, seqlen_k, heads_q, heads_k,
+                            head_dim, dtype, causal, **options)
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("front", RUNNERS)
+def test_descriptor_forward_with_every_option(descriptor_table, front):
+    gen = torch.Generator().manual_seed(4)
+    slopes = (torch.rand(4, generator=gen) * 0.3).to(DEVICE)
+    seqlen_k = 700 if ON_GPU else 120
+    check_against_reference(RUNNERS[front], 2, 45, seqlen_k, 4, 2, 64, "bfloat16", True,
+                            window_size=(200, -1), alibi_slopes=slopes, softcap=5.0,
+                            dropout_p=0.15, dropout_seed=9, bias_shape=(2, 4, 45, seqlen_k))
+
+
+def _arrays(q, k, v):
+    return {"q": q, "k": k, "v": v, "bias": None, "slopes": None, "seed": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None}
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_descriptor_loads_give_the_same_bits(causal, num_splits):
+    # The same values reach the same arithmetic: the outputs are bit for bit those of
+    # pointer loads, and jax's launch of the descriptor kernel gives them too.
+    seqlen_k = 1500 if ON_GPU else 140
+    q, k, v = random_qkv(2, 50, seqlen_k, 4, 2, 64, "bfloat16", seed=11)
+    problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
+                                    "bfloat16", causal=causal)
+    plain, tma = (fa_plan.forward_plan(problem, capability=CAPABILITY, tma=flag,
+                                       num_splits=num_splits) for flag in (False, True))
+    assert tma.launch.constexprs["USE_TMA"] and not plain.launch.constexprs["USE_TMA"]
+    out, lse = _forward_torch(tma, _arrays(q, k, v))
+    p_out, p_lse = _forward_torch(plain, _arrays(q, k, v))
+    assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
+    j_out, j_lse = _forward_jax(tma, _arrays(q, k, v))
+    assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+def test_unaligned_keys_fall_back_to_pointer_loads():
+    # A view that starts 2 bytes into its storage: its strides are whole 16-byte units
+    # (the plan allows descriptors) but its base is not (the launch falls back).
+    q, k, v = random_qkv(1, 20, 300, 2, 2, 64, "bfloat16", seed=5)
+    storage = torch.empty(k.numel() + 1, dtype=k.dtype, device=DEVICE)
+    k_view = storage[1:].view(k.shape)
+    k_view.copy_(k)
+    problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
+                                    "bfloat16")
+    tma = fa_plan.forward_plan(problem, capability=CAPABILITY, tma=True)
+    inputs = [q, k_view, v]
+    fitted = launcher.fit_to_arrays(tma.launch, inputs)
+    assert not fitted.constexprs["USE_TMA"] and fitted.grid == tma.launch.grid
+    assert launcher.fit_to_arrays(tma.launch, [q, k, v]) is tma.launch
+    out, lse = _forward_torch(tma, _arrays(q, k_view, v))
+    plain = fa_plan.forward_plan(problem, capability=CAPABILITY, tma=False)
+    p_out, p_lse = _forward_torch(plain, _arrays(q, k, v))
+    assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
+
+
+def test_descriptors_only_where_they_apply(monkeypatch):
+    q_shape = (1, 64, 2, 36)
+    fp16 = fa_plan.check_problem(q_shape, q_shape, q_shape, "float16", "float16", "float16")
+    # 36 fp16 values a row: 72 bytes, not whole 16-byte units
+    assert not fa_plan.forward_plan(fp16, capability=(9, 0), tma=True).launch.constexprs["USE_TMA"]
+    fp32 = fa_plan.check_problem(q_shape, q_shape, q_shape, "float32", "float32", "float32")
+    assert fa_plan.forward_plan(fp32, capability=(9, 0), tma=True).launch.constexprs["USE_TMA"]
+    # The table's flags hold from sm_90 on, and warp specialisation only with descriptors.
+    monkeypatch.setitem(configs._GPU_16BIT, ("forward", 128),
+                        configs.TileConfig(128, 64, 8, 3, tma=True, warp_specialize=True))
+    ampere = configs.tile_config("forward", 128, "bfloat16", 4096, 4096, (8, 0))
+    hopper = configs.tile_config("forward", 128, "bfloat16", 4096, 4096, (9, 0))
+    assert (ampere.tma, ampere.warp_specialize) == (False, False)
+    assert (hopper.tma, hopper.warp_specialize) == (True, True)
+    shape = (1, 4096, 2, 128)
+    problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
+    fa_plan.forward_plan.cache_clear()
+    try:
+        for capability, on in (((8, 0), False), ((9, 0), True)):
+            flags = fa_plan.forward_plan(problem, capability=capability).launch.constexprs
+            assert (flags["USE_TMA"], flags["WARP_SPECIALIZE"]) == (on, on)
+    finally:
+        fa_plan.forward_plan.cache_clear()
