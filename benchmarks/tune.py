@@ -62,15 +62,14 @@ def candidates(kernel: str, head_dim: int, dtype: str, hopper: bool = False):
         if smem > 220 * 1024 or (head_dim >= 256 and bm * bn > 64 * 64 and warps == 4):
             continue
         out.append(configs.TileConfig(bm, bn, warps, stages))
-        if kernel == "forward" and hopper:  # K/V through TMA, with and without warp specialisation
+        if kernel == "forward" and hopper:  # K/V through TMA
             out.append(configs.TileConfig(bm, bn, warps, stages, tma=True))
-            out.append(configs.TileConfig(bm, bn, warps, stages, tma=True, warp_specialize=True))
     return out
 
 
 def entry(cfg) -> str:
     """A config as its line in configs.py."""
-    extra = "".join(f", {name}=True" for name in ("tma", "warp_specialize") if getattr(cfg, name))
+    extra = ", tma=True" if cfg.tma else ""
     return f"TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{extra})"
 
 

@@ -19,21 +19,22 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    # Forward only, Hopper (sm_90) and newer: K/V blocks through tensor descriptors (TMA),
-    # and warp specialisation of the unmasked key loop. Either is dropped where the plan
-    # or the launcher finds it does not apply (older GPUs, unaligned strides or pointers).
+    # Forward only: K/V blocks through tensor descriptors (TMA). The plan uses them from
+    # sm_90 on (and in the interpreter) where the K/V strides are whole 16-byte units;
+    # the launcher falls back to pointer loads where K or V does not start on 16 bytes.
     tma: bool = False
-    warp_specialize: bool = False
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
 # benchmarks/tune.py (2026-12-03; B*S = 16384 at S = 4096, causal and not; times in
-# benchmarks/NOTES.md). Head dims under 64 take the 64 entries.
+# benchmarks/NOTES.md). Head dims under 64 take the 64 entries. The D = 64 and 128 forward
+# entries read K/V through tensor descriptors (fourth session: 1.083 / 0.633 ms against
+# 1.196 / 0.684 for (128, 64, 8, 4) at D = 128; 1.327 / 0.734 against 1.356 / 0.739 at 64).
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
-    ("forward", 64): TileConfig(128, 64, 8, 3),
-    ("forward", 128): TileConfig(128, 64, 8, 4),
+    ("forward", 64): TileConfig(64, 128, 4, 2, tma=True),
+    ("forward", 128): TileConfig(128, 64, 4, 2, tma=True),
     ("forward", 256): TileConfig(128, 64, 8, 2),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
@@ -138,5 +139,4 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
         # program an SM could run: short sequences would pay for stages they never fill.
         streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
         num_stages = min(num_stages, max(2, -(-streamed // block)))
-    tma = base.tma and (capability is None or capability >= (9, 0))  # (the interpreter has it)
-    return TileConfig(block_m, block_n, num_warps, num_stages, tma, tma and base.warp_specialize)
+    return TileConfig(block_m, block_n, num_warps, num_stages, base.tma)

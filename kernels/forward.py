@@ -68,7 +68,6 @@ def attention_forward(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -155,9 +154,7 @@ def attention_forward(
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
             USE_TMA)
-    # The unmasked bulk of the keys: on Hopper, warp specialisation can give the loads and
-    # the two matmuls their own warps (the softmax then hides under the tensor cores).
-    for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,

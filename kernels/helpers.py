@@ -77,9 +77,11 @@ def key_source(base, seqlen_k, stride_n, HEAD_DIM: tl.constexpr, BLOCK_N: tl.con
     fetches a block, and rows past seqlen_k or columns past HEAD_DIM arrive as 0) or
     the plain base pointer."""
     if USE_TMA:
-        return tl.make_tensor_descriptor(base, shape=[seqlen_k, HEAD_DIM], strides=[stride_n, 1],
-                                         block_shape=[BLOCK_N, BLOCK_D])
-    return base
+        source = tl.make_tensor_descriptor(base, shape=[seqlen_k, HEAD_DIM],
+                                           strides=[stride_n, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        source = base
+    return source
 
 
 @triton.jit
@@ -87,9 +89,11 @@ def load_key_block(source, start_n, offs_n, offs_d, stride_n, seqlen_k, HEAD_DIM
                    BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
     """The (BLOCK_N, BLOCK_D) block of keys (or values) from ``start_n``, 0 past the end."""
     if USE_TMA:
-        return source.load([start_n, 0])
-    return load_tile(source + tl.cast(start_n, tl.int64) * stride_n, offs_n, offs_d, stride_n,
-                     seqlen_k - start_n, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        block = source.load([start_n, 0])
+    else:
+        block = load_tile(source + tl.cast(start_n, tl.int64) * stride_n, offs_n, offs_d,
+                          stride_n, seqlen_k - start_n, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+    return block
 
 
 @triton.jit

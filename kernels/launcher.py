@@ -41,7 +41,7 @@ def without_tma(launch):
     if entry is None:
         if len(_WITHOUT_TMA) >= _MAX_ENTRIES:
             _WITHOUT_TMA.clear()
-        constexprs = dict(launch.constexprs, USE_TMA=False, WARP_SPECIALIZE=False)
+        constexprs = dict(launch.constexprs, USE_TMA=False)
         entry = _WITHOUT_TMA[id(launch)] = (launch, dataclasses.replace(launch,
                                                                         constexprs=constexprs))
     return entry[1]

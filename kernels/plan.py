@@ -518,9 +518,11 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
-    # A tensor descriptor's base and row stride must be whole 16-byte units.
-    use_tma = (cfg.tma if tma is None else tma) and all(
-        s * ITEMSIZE[p.dtype] % 16 == 0 for s in (*k_st, *v_st))
+    # Tensor descriptors: Hopper on (the interpreter has them too), with a base and row
+    # stride of whole 16-byte units.
+    use_tma = ((cfg.tma if tma is None else tma)
+               and (capability is None or capability >= (9, 0))
+               and all(s * ITEMSIZE[p.dtype] % 16 == 0 for s in (*k_st, *v_st)))
     results = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
@@ -540,8 +542,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
                         DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
-                        PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma,
-                        WARP_SPECIALIZE=use_tma and cfg.warp_specialize),
+                        PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,7 +1,7 @@
-"""The forward reading K/V through tensor descriptors (TMA on Hopper), with and without
-warp specialisation: the same results as plain pointer loads, every option, both front
-ends. The interpreter runs the descriptor path too (the table turns it on only for
-sm_90 and newer; these tests turn it on through the table or the plan)."""
+"""The forward reading K/V through tensor descriptors (TMA on Hopper): the same results as
+plain pointer loads, every option, both front ends. The interpreter runs the descriptor
+path too (the table turns it on only for sm_90 and newer; these tests turn it on through
+the table or the plan)."""
 import dataclasses
 
 import pytest
@@ -18,10 +18,10 @@ CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
 HOPPER = CAPABILITY is None or CAPABILITY >= (9, 0)
 
 
-@pytest.fixture(params=[False, True] if ON_GPU else [False], ids=lambda ws: f"ws={ws}")
-def descriptor_table(request, monkeypatch):
-    """Every forward entry with K/V through descriptors (and warp specialisation)."""
-    flags = dict(tma=True, warp_specialize=request.param)
+@pytest.fixture
+def descriptor_table(monkeypatch):
+    """Every forward entry with K/V through descriptors."""
+    flags = dict(tma=True)
     if ON_GPU:
         for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_SHORT,
                       configs._GPU_16BIT_FEW_ROWS):
@@ -123,19 +123,17 @@ def test_descriptors_only_where_they_apply(monkeypatch):
     assert not fa_plan.forward_plan(fp16, capability=(9, 0), tma=True).launch.constexprs["USE_TMA"]
     fp32 = fa_plan.check_problem(q_shape, q_shape, q_shape, "float32", "float32", "float32")
     assert fa_plan.forward_plan(fp32, capability=(9, 0), tma=True).launch.constexprs["USE_TMA"]
-    # The table's flags hold from sm_90 on, and warp specialisation only with descriptors.
+    # The table's flag, like the forced one, holds from sm_90 on.
     monkeypatch.setitem(configs._GPU_16BIT, ("forward", 128),
-                        configs.TileConfig(128, 64, 8, 3, tma=True, warp_specialize=True))
-    ampere = configs.tile_config("forward", 128, "bfloat16", 4096, 4096, (8, 0))
-    hopper = configs.tile_config("forward", 128, "bfloat16", 4096, 4096, (9, 0))
-    assert (ampere.tma, ampere.warp_specialize) == (False, False)
-    assert (hopper.tma, hopper.warp_specialize) == (True, True)
+                        configs.TileConfig(128, 64, 8, 3, tma=True))
     shape = (1, 4096, 2, 128)
     problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
     fa_plan.forward_plan.cache_clear()
     try:
         for capability, on in (((8, 0), False), ((9, 0), True)):
             flags = fa_plan.forward_plan(problem, capability=capability).launch.constexprs
-            assert (flags["USE_TMA"], flags["WARP_SPECIALIZE"]) == (on, on)
+            assert flags["USE_TMA"] == on
+            forced = fa_plan.forward_plan(problem, capability=capability, tma=True).launch
+            assert forced.constexprs["USE_TMA"] == on
     finally:
         fa_plan.forward_plan.cache_clear()

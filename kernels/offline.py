@@ -1,0 +1,152 @@
+"""Compile plan launches for a GPU on a machine without one.
+
+The interpreter runs the kernels' arithmetic but not Triton's compiler: an error of the
+compiled path only (types that differ between constexpr branches, a pass that rejects a
+kernel, shared memory past the device's limit) would first show on the GPU. Triton's
+compiler and its bundled ptxas need no GPU, so this compiles a grid of forward and
+backward variants for a given capability, specialising the arguments as Triton's JIT
+would (16-byte aligned arrays, integers by value), and reports each kernel's shared
+memory against the limit.
+
+    TRITON_INTERPRET=0 python -m fa_kernels.offline [--capability 9.0] [--quick]
+
+TRITON_INTERPRET=0 keeps the kernels compilable (the interpreter replaces them).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import plan as fa_plan
+from . import runtime
+
+POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32"}
+# Largest dynamic shared memory of one program (bytes), by major capability.
+SHARED_LIMIT = {8: 166912, 9: 232448, 10: 232448}
+
+
+def input_dtypes(problem: fa_plan.AttentionProblem, plans) -> dict:
+    """The dtype of every array a plan's launches read: the problem's, its options', and
+    what earlier launches write. An input the problem does not use is the front ends'
+    fp32 placeholder."""
+    dtypes = {name: problem.dtype for name in ("q", "k", "v", "dout", "out")}
+    dtypes.update(slopes="float32", seed="int32", dlse="float32")
+    if problem.bias_shape is not None:
+        dtypes["bias"] = problem.dtype
+    if problem.varlen:
+        dtypes.update(cu_seqlens_q="int32", cu_seqlens_k="int32")
+    for launch in (launch for p in plans for launch in p.launches):
+        dtypes.update((o.name, o.dtype) for o in launch.outputs)
+    return dtypes
+
+
+def specialise(launch, dtypes: dict):
+    """(signature, constexprs, attrs) of ``launch`` as Triton's JIT makes them."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from .registry import KERNELS
+
+    kernel = KERNELS[launch.kernel]
+    arrays = [dtypes.get(name, "float32") for name in launch.inputs]
+    arrays_out = [o.dtype for o in launch.outputs]
+    values = ([("array", d) for d in arrays] + [("scalar", s) for s in launch.scalars]
+              + [("array", d) for d in arrays_out])
+    signature, constexprs, attrs = {}, dict(launch.constexprs), {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in launch.constexprs:
+            signature[name] = "constexpr"
+            continue
+        kind, value = values[index]
+        if kind == "array":
+            signature[name], spec = POINTER_TYPES[value], "D"
+        else:
+            signature[name], spec = native_specialize_impl(BaseBackend, value, False, True, True)
+            if signature[name] == "constexpr":  # Triton folds an integer 1 into the kernel
+                constexprs[name] = spec
+                continue
+        if spec == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return kernel, signature, constexprs, attrs
+
+
+def compile_launch(launch, dtypes: dict, capability: tuple[int, int] = (9, 0)):
+    """Triton's CompiledKernel of ``launch`` for ``capability`` (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, signature, constexprs, attrs = specialise(launch, dtypes)
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return triton.compile(source, target=target,
+                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+
+
+def variants(quick: bool):
+    """(name, problem, forward plan options) over head dims, dtypes and features."""
+    head_dims = (64, 128) if quick else (32, 64, 96, 128, 256)
+    dtypes = ("bfloat16",) if quick else ("bfloat16", "float16", "float32")
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            shape = (2, 1024, 4, head_dim)
+            gqa_kv = (2, 1024, 2, head_dim)
+            check = lambda q, kv, **o: fa_plan.check_problem(  # noqa: E731
+                q, kv, kv, dtype, dtype, dtype, **o)
+            yield f"{dtype} D={head_dim}", check(shape, shape), {}
+            yield f"{dtype} D={head_dim} causal gqa", check(shape, gqa_kv, causal=True), {}
+            yield (f"{dtype} D={head_dim} every option",
+                   check(shape, gqa_kv, causal=True, window_size=(256, -1), softcap=30.0,
+                         dropout_p=0.1, bias_shape=(2, 4, 1024, 1024), bias_dtype=dtype,
+                         alibi_shape=(4,), alibi_dtype="float32"), {})
+            if dtype != "float32":
+                yield f"{dtype} D={head_dim} tma", check(shape, shape), dict(tma=True)
+                yield (f"{dtype} D={head_dim} decode packed split",
+                       check((2, 1, 8, head_dim), (2, 8192, 2, head_dim)),
+                       dict(num_splits=4))
+    yield ("bfloat16 D=128 varlen",
+           fa_plan.check_problem((300, 4, 128), (300, 4, 128), (300, 4, 128), "bfloat16",
+                                 "bfloat16", "bfloat16", causal=True,
+                                 varlen=dict(cu_seqlens_q_shape=(4,), cu_seqlens_k_shape=(4,),
+                                             cu_seqlens_q_dtype="int32",
+                                             cu_seqlens_k_dtype="int32",
+                                             max_seqlen_q=200, max_seqlen_k=200)), {})
+
+
+def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
+    """Compile every variant's launches; print one line each; return the failures."""
+    limit = SHARED_LIMIT.get(capability[0], 101376)
+    failures = 0
+    for name, problem, options in variants(quick):
+        fwd = fa_plan.forward_plan(problem, capability=capability, **options)
+        bwd = fa_plan.backward_plan(problem, capability=capability)
+        dtypes = input_dtypes(problem, (fwd, bwd))
+        for launch in (*fwd.launches, *bwd.launches):
+            start = time.time()
+            try:
+                compiled = compile_launch(launch, dtypes, capability)
+                shared = compiled.metadata.shared
+                verdict = "ok" if shared <= limit else f"FAIL: {shared} B of shared memory > {limit}"
+            except Exception as error:  # noqa: BLE001  (report every failure, then count)
+                shared, verdict = 0, f"FAIL: {type(error).__name__}: {str(error)[:300]}"
+            failures += verdict != "ok"
+            print(f"{name:40s} {launch.kernel:32s} {shared:7d} B  {time.time() - start:5.1f} s  "
+                  f"{verdict}", file=out, flush=True)
+    print(f"{failures} failed", file=out)
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capability", default="9.0", help="major.minor, e.g. 8.0 or 9.0")
+    parser.add_argument("--quick", action="store_true", help="fewer head dims and dtypes")
+    args = parser.parse_args(argv)
+    if runtime.interpreting():
+        raise SystemExit("run with TRITON_INTERPRET=0: the interpreter replaces the kernels")
+    major, minor = (int(x) for x in args.capability.split("."))
+    return 1 if check((major, minor), args.quick) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
