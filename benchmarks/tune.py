@@ -62,7 +62,7 @@ def candidates(kernel: str, head_dim: int, dtype: str, hopper: bool = False):
         if smem > 220 * 1024 or (head_dim >= 256 and bm * bn > 64 * 64 and warps == 4):
             continue
         out.append(configs.TileConfig(bm, bn, warps, stages))
-        if kernel == "forward" and hopper:  # K/V through TMA
+        if hopper:  # the streamed blocks through TMA
             out.append(configs.TileConfig(bm, bn, warps, stages, tma=True))
     return out
 

@@ -21,8 +21,9 @@ The outflow rule: scores are scaled once in fp32, and the remaining factors
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, dropout_keep, key_blocks, load_row_stats, load_seed, load_tile,
-                      query_blocks, scores, sequence_bounds, softcap_slope, store_tile, visible)
+from .helpers import (aligned, block_source, dropout_keep, key_blocks, load_block, load_row_stats,
+                      load_seed, load_tile, query_blocks, scores, sequence_bounds, softcap_slope,
+                      store_tile, visible)
 
 
 @triton.jit
@@ -61,21 +62,20 @@ def attention_backward_preprocess(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Add one query block's share to dK and dV (tiles kept transposed: keys x queries)."""
     rows = start_m + offs_m
-    row0 = tl.cast(start_m, tl.int64)
-    q = load_tile(q_base + row0 * stride_qm, offs_m, offs_d, stride_qm,
-                  seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(do_base + row0 * stride_dom, offs_m, offs_d, stride_dom,
-                   seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
+    q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,
+                   True, USE_TMA)
+    do = load_block(do_source, start_m, offs_m, offs_d, stride_dom, seqlen_q, HEAD_DIM, BLOCK_D,
+                    True, USE_TMA)
     lse2, delta = load_row_stats(lse_base, delta_base, rows, seqlen_q)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
     s_t = scores(qk_t, rows[None, :], cols[:, None], seqlen_q, seqlen_k, qk_scale, softcap_scale,
@@ -120,6 +120,7 @@ def attention_backward_dkdv(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -168,8 +169,11 @@ def attention_backward_dkdv(
         head = head_k * GROUP_SIZE + g
         head64 = tl.cast(head, tl.int64)
         seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
-        q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
-        do_base = dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom
+        q_source = block_source(Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm,
+                                seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_source = block_source(
+            dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
+            seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
         delta_base = Delta + batch64 * stride_lb + head64 * stride_lh + q_start
         bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
@@ -178,28 +182,28 @@ def attention_backward_dkdv(
             slope = tl.load(Slopes + batch64 * stride_sb + head64)
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION)
+                DOT_PRECISION, USE_TMA)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION)
+                DOT_PRECISION, USE_TMA)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION)
+                DOT_PRECISION, USE_TMA)
 
     dk = dk * softmax_scale
     if HAS_DROPOUT:
@@ -211,21 +215,20 @@ def attention_backward_dkdv(
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+def _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
              offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
              seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
              window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
              LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
              HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-             HAS_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             HAS_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Add one key block's share to dQ (and write its dZ when the bias needs a gradient)."""
     cols = start_n + offs_n
-    n0 = tl.cast(start_n, tl.int64)
-    k = load_tile(k_base + n0 * stride_kn, offs_n, offs_d, stride_kn,
-                  seqlen_k - start_n, HEAD_DIM, BLOCK_D, MASKED)
-    v = load_tile(v_base + n0 * stride_vn, offs_n, offs_d, stride_vn,
-                  seqlen_k - start_n, HEAD_DIM, BLOCK_D, MASKED)
+    k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
+                   MASKED, USE_TMA)
+    v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
+                   MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
                softcap_log2, bias_base, stride_bm, stride_bn, slope,
@@ -267,7 +270,7 @@ def attention_backward_dq(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STRIDES_ALIGNED: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -304,8 +307,10 @@ def attention_backward_dq(
                    offs_m, offs_d, stride_dom, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
     row_base = batch64 * stride_lb + head64 * stride_lh + q_start
     lse2, delta = load_row_stats(LSE + row_base, Delta + row_base, rows, seqlen_q)
-    k_base = K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn
-    v_base = V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn
+    k_source = block_source(K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn,
+                            seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_source = block_source(V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn,
+                            seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
     dbias_base = dBias + batch64 * stride_dbb + head64 * stride_dbh
     slope = 0.0
@@ -318,26 +323,26 @@ def attention_backward_dq(
                                           window_left, window_right, BLOCK_N, LIMIT_LEFT,
                                           LIMIT_RIGHT)
     for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+        dq = _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+        dq = _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, bias_base, dbias_base, start_n, rows,
+        dq = _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION)
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
 
     dq = dq * softmax_scale
     store_tile(dQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqm,

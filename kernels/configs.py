@@ -19,9 +19,10 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    # Forward only: K/V blocks through tensor descriptors (TMA). The plan uses them from
-    # sm_90 on (and in the interpreter) where the K/V strides are whole 16-byte units;
-    # the launcher falls back to pointer loads where K or V does not start on 16 bytes.
+    # The streamed blocks (K/V in the forward and dQ, Q/dO in dK/dV) through tensor
+    # descriptors (TMA). The plan uses them from sm_90 on (and in the interpreter) where
+    # those strides are whole 16-byte units; the launcher falls back to pointer loads
+    # where an array does not start on 16 bytes.
     tma: bool = False
 
 

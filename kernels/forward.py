@@ -13,7 +13,7 @@ path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (LN2, aligned, dropout_keep, key_blocks, key_source, load_key_block,
+from .helpers import (LN2, aligned, dropout_keep, key_blocks, block_source, load_block,
                       load_rows, load_seed, load_tile, scores, sequence_bounds, softmax_step,
                       split_blocks, store_rows, store_tile, visible)
 
@@ -29,7 +29,7 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Fold the key block starting at ``start_n`` into the running softmax."""
     cols = start_n + offs_n
-    k = load_key_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
+    k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
                        MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
@@ -42,7 +42,7 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
     if HAS_DROPOUT:  # l keeps the undropped sum: dropout acts on normalised probabilities
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
-    v = load_key_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
+    v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
                        MASKED, USE_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
@@ -144,8 +144,8 @@ def attention_forward(
     if SPLIT_KV:
         lo, full_lo, full_hi, hi = split_blocks(lo, full_lo, full_hi, hi, split, num_splits,
                                                 seqlen_k, BLOCK_N)
-    k_source = key_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_source = key_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_source = block_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_source = block_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,

@@ -71,28 +71,30 @@ def store_rows(base, tile, row_offsets, row_ok, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def key_source(base, seqlen_k, stride_n, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """Where K or V blocks come from: a tensor descriptor (TMA on Hopper: the copy engine
-    fetches a block, and rows past seqlen_k or columns past HEAD_DIM arrive as 0) or
-    the plain base pointer."""
+def block_source(base, num_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where a loop's blocks of one (rows, head_dim) slab come from (K and V in the forward
+    and dQ, Q and dO in dK/dV): a tensor descriptor (TMA on Hopper: the copy engine
+    fetches a block, and rows past ``num_rows`` or columns past HEAD_DIM arrive as 0)
+    or the plain base pointer."""
     if USE_TMA:
-        source = tl.make_tensor_descriptor(base, shape=[seqlen_k, HEAD_DIM],
-                                           strides=[stride_n, 1], block_shape=[BLOCK_N, BLOCK_D])
+        source = tl.make_tensor_descriptor(base, shape=[num_rows, HEAD_DIM],
+                                           strides=[stride_row, 1],
+                                           block_shape=[BLOCK_ROWS, BLOCK_D])
     else:
         source = base
     return source
 
 
 @triton.jit
-def load_key_block(source, start_n, offs_n, offs_d, stride_n, seqlen_k, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
-    """The (BLOCK_N, BLOCK_D) block of keys (or values) from ``start_n``, 0 past the end."""
+def load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """The (rows, BLOCK_D) block of a ``block_source`` from row ``start``, 0 past the end."""
     if USE_TMA:
-        block = source.load([start_n, 0])
+        block = source.load([start, 0])
     else:
-        block = load_tile(source + tl.cast(start_n, tl.int64) * stride_n, offs_n, offs_d,
-                          stride_n, seqlen_k - start_n, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        block = load_tile(source + tl.cast(start, tl.int64) * stride_row, offs_row, offs_d,
+                          stride_row, num_rows - start, HEAD_DIM, BLOCK_D, CHECK_ROWS)
     return block
 
 

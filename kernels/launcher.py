@@ -36,7 +36,7 @@ _WITHOUT_TMA: dict = {}
 
 
 def without_tma(launch):
-    """The same launch reading K/V through plain pointers (same arithmetic, same bits)."""
+    """The same launch reading through plain pointers (same arithmetic, same bits)."""
     entry = _WITHOUT_TMA.get(id(launch))
     if entry is None:
         if len(_WITHOUT_TMA) >= _MAX_ENTRIES:
@@ -47,12 +47,15 @@ def without_tma(launch):
     return entry[1]
 
 
+_STREAMED = ("q", "k", "v", "dout")  # what the kernels may read through descriptors
+
+
 def fit_to_arrays(launch, inputs: list):
-    """``launch``, or its plain-pointer twin when it reads K/V through tensor descriptors
-    and K or V does not start on 16 bytes: the plan checked the strides, but only the
-    arrays know their addresses (a view can start anywhere)."""
+    """``launch``, or its plain-pointer twin when it reads blocks through tensor
+    descriptors and one of q, k, v, dout does not start on 16 bytes: the plan checked
+    the strides, but only the arrays know their addresses (a view can start anywhere)."""
     if launch.constexprs.get("USE_TMA") and any(
-            a.data_ptr() % 16 for name, a in zip(launch.inputs, inputs) if name in ("k", "v")):
+            a.data_ptr() % 16 for name, a in zip(launch.inputs, inputs) if name in _STREAMED):
         return without_tma(launch)
     return launch
 

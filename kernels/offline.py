@@ -120,7 +120,8 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     failures = 0
     for name, problem, options in variants(quick):
         fwd = fa_plan.forward_plan(problem, capability=capability, **options)
-        bwd = fa_plan.backward_plan(problem, capability=capability)
+        bwd = fa_plan.backward_plan(problem, capability=capability,
+                                    **{k: v for k, v in options.items() if k == "tma"})
         dtypes = input_dtypes(problem, (fwd, bwd))
         for launch in (*fwd.launches, *bwd.launches):
             start = time.time()

@@ -425,6 +425,13 @@ def _aligned(*strides: tuple[int, int, int]) -> bool:
     return all(s % 16 == 0 for st in strides for s in st)
 
 
+def _use_tma(wanted: bool, capability, dtype: str, *strides: tuple[int, int, int]) -> bool:
+    """Tensor descriptors for a kernel's streamed blocks: from Hopper on (the interpreter
+    has them too), with every (batch, seq, head) stride a whole number of 16 bytes."""
+    return (bool(wanted) and (capability is None or capability >= (9, 0))
+            and all(s * ITEMSIZE[dtype] % 16 == 0 for st in strides for s in st))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -518,11 +525,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
-    # Tensor descriptors: Hopper on (the interpreter has them too), with a base and row
-    # stride of whole 16-byte units.
-    use_tma = ((cfg.tma if tma is None else tma)
-               and (capability is None or capability >= (9, 0))
-               and all(s * ITEMSIZE[p.dtype] % 16 == 0 for s in (*k_st, *v_st)))
+    use_tma = _use_tma(cfg.tma if tma is None else tma, capability, p.dtype, k_st, v_st)
     results = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
@@ -568,7 +571,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                   q_strides: Shape | None = None, k_strides: Shape | None = None,
                   v_strides: Shape | None = None, out_strides: Shape | None = None,
                   dout_strides: Shape | None = None, bias_strides: Shape | None = None,
-                  bias_grad: bool = False, has_dlse: bool = True) -> BackwardPlan:
+                  bias_grad: bool = False, has_dlse: bool = True,
+                  tma: bool | None = None) -> BackwardPlan:
     """How to launch the backward: D = rowsum(dO * O) - dLSE, then dK/dV, then dQ.
 
     Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse (the LSE's
@@ -576,6 +580,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     the preprocess. ``has_dlse`` False: the LSE got no gradient (dlse is not read;
     the same D as a zero dlse, bit for bit). With ``bias_grad``, dq also writes
     ``dbias``, dense (B, Hq, Sq, Sk) fp32: sum it over ``problem.bias_reduce_axes``.
+    ``tma`` overrides the table's choice of tensor-descriptor loads for the blocks the
+    dK/dV (Q, dO) and dQ (K, V) kernels stream.
     """
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
@@ -619,7 +625,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dkv_st, *dkv_st),
         outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
-        constexprs=constexprs(kv),
+        constexprs=constexprs(kv, USE_TMA=_use_tma(kv.tma if tma is None else tma, capability,
+                                                   p.dtype, q_st, do_st)),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
@@ -634,7 +641,9 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dq_st, *dbias_st),
         outputs=(Output("dq", p.q_shape, p.dtype), dbias),
-        constexprs=constexprs(qc, HAS_DBIAS=bias_grad),
+        constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
+                              USE_TMA=_use_tma(qc.tma if tma is None else tma, capability,
+                                               p.dtype, k_st, v_st)),
         num_warps=qc.num_warps,
         num_stages=qc.num_stages,
     )

@@ -1,7 +1,8 @@
-"""The forward reading K/V through tensor descriptors (TMA on Hopper): the same results as
-plain pointer loads, every option, both front ends. The interpreter runs the descriptor
-path too (the table turns it on only for sm_90 and newer; these tests turn it on through
-the table or the plan)."""
+"""Kernels reading their streamed blocks through tensor descriptors (TMA on Hopper: K/V
+in the forward and dQ, Q/dO in dK/dV): the same results as plain pointer loads, every
+option, both front ends, forward and backward. The interpreter runs the descriptor path
+too (the plan uses it from sm_90 on; these tests turn it on through the table or the
+plan)."""
 import dataclasses
 
 import pytest
@@ -20,20 +21,22 @@ HOPPER = CAPABILITY is None or CAPABILITY >= (9, 0)
 
 @pytest.fixture
 def descriptor_table(monkeypatch):
-    """Every forward entry with K/V through descriptors."""
+    """Every forward, dK/dV and dQ entry with descriptors."""
     flags = dict(tma=True)
     if ON_GPU:
         for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_SHORT,
                       configs._GPU_16BIT_FEW_ROWS):
             for key, cfg in list(table.items()):
-                if key[0] == "forward":
+                if key[0] in ("forward", "dkdv", "dq"):
                     monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
     else:
         monkeypatch.setattr(configs, "_INTERPRETER", dataclasses.replace(configs._INTERPRETER,
                                                                          **flags))
     fa_plan.forward_plan.cache_clear()
+    fa_plan.backward_plan.cache_clear()
     yield flags
     fa_plan.forward_plan.cache_clear()
+    fa_plan.backward_plan.cache_clear()
 
 
 CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, causal, options)
@@ -55,6 +58,8 @@ def test_descriptor_forward_against_reference(descriptor_table, front, case):
     problem = fa_plan.check_problem(q_shape, kv_shape, kv_shape, dtype, dtype, dtype,
                                     causal=causal, **options)
     assert fa_plan.forward_plan(problem, capability=CAPABILITY).launch.constexprs["USE_TMA"]
+    bwd = fa_plan.backward_plan(problem, capability=CAPABILITY)
+    assert bwd.dkdv.constexprs["USE_TMA"] and bwd.dq.constexprs["USE_TMA"]
     check_against_reference(RUNNERS[front], batch, seqlen_q, seqlen_k, heads_q, heads_k,
                             head_dim, dtype, causal, **options)
 
@@ -93,6 +98,30 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
     j_out, j_lse = _forward_jax(tma, _arrays(q, k, v))
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("causal", [False, True])
+def test_descriptor_backward_gives_the_same_bits(causal):
+    from fa_torch import _launch
+
+    seqlen = 700 if ON_GPU else 90
+    q, k, v = random_qkv(2, seqlen, seqlen + 13, 4, 2, 64, "bfloat16", seed=12)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
+                                    "bfloat16", causal=causal)
+    out, lse = _forward_torch(fa_plan.forward_plan(problem, capability=CAPABILITY),
+                              _arrays(q, k, v))
+    grads = {}
+    for flag in (False, True):
+        bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, tma=flag, has_dlse=False)
+        assert bwd.dkdv.constexprs["USE_TMA"] == flag == bwd.dq.constexprs["USE_TMA"]
+        arrays = dict(_arrays(q, k, v), out=out, lse=lse, dout=dout)
+        for launch in bwd.launches:
+            _launch.run(launch, arrays, DEVICE)
+        grads[flag] = [arrays[name] for name in ("dq", "dk", "dv")]
+    for plain, tma in zip(grads[False], grads[True]):
+        assert torch.equal(plain, tma)
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
