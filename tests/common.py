@@ -115,6 +115,20 @@ def keep_mask(front, seed, batch, heads, seqlen_q, seqlen_k, dropout_p):
     return fa_torch.dropout_mask(seed, batch, heads, seqlen_q, seqlen_k, dropout_p).cpu()
 
 
+def check_with_every_option(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
+                           dtype, seed, window_left, softcap, dropout_p, bias_batch=None):
+    """``check_against_reference``, causal with a left window, ALiBi (random slopes of
+    ``seed``), softcap, dropout (seed ``seed``) and a bias, all at once. The bias has
+    ``bias_batch`` entries (1: broadcast over the batch), ``batch`` by default."""
+    gen = torch.Generator().manual_seed(seed)
+    slopes = (torch.rand(heads_q, generator=gen) * 0.3).to(DEVICE)
+    bias_shape = (batch if bias_batch is None else bias_batch, heads_q, seqlen_q, seqlen_k)
+    check_against_reference(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype,
+                            True, window_size=(window_left, -1), alibi_slopes=slopes,
+                            softcap=softcap, dropout_p=dropout_p, dropout_seed=seed,
+                            bias_shape=bias_shape)
+
+
 def check_against_reference(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
                             dtype, causal, softmax_scale=None, seed=0, bias_shape=None,
                             **options):

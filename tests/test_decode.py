@@ -13,7 +13,8 @@ import torch
 from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference,
-                     from_numpy, random_qkv, reference_grads, run_jax, run_torch, to_numpy)
+                     check_with_every_option, from_numpy, random_qkv, reference_grads, run_jax,
+                     run_torch, to_numpy)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 
@@ -32,12 +33,9 @@ def test_decode_against_reference(front, seqlen_q, heads_q, heads_k, causal, hea
 
 @pytest.mark.parametrize("front", RUNNERS)
 def test_decode_with_every_option(front):
-    gen = torch.Generator().manual_seed(3)
-    slopes = (torch.rand(8, generator=gen) * 0.3).to(DEVICE)
     seqlen_k = 3000 if ON_GPU else 140
-    check_against_reference(RUNNERS[front], 2, 3, seqlen_k, 8, 2, 40, "float16", True,
-                            window_size=(100, -1), alibi_slopes=slopes, softcap=4.0,
-                            dropout_p=0.2, dropout_seed=5, bias_shape=(2, 8, 3, seqlen_k))
+    check_with_every_option(RUNNERS[front], 2, 3, seqlen_k, 8, 2, 40, "float16", seed=5,
+                            window_left=100, softcap=4.0, dropout_p=0.2)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the SM count decides split-KV on the GPU only")
@@ -161,8 +159,5 @@ def test_split_kv_chosen_by_the_plan_with_every_option(front, monkeypatch):
     problem = fa_plan.check_problem((2, 5, 4, 40), (2, 300, 2, 40), (2, 300, 2, 40),
                                     "bfloat16", "bfloat16", "bfloat16")
     assert fa_plan.forward_plan(problem, capability=None, num_sms=132).num_splits > 1
-    gen = torch.Generator().manual_seed(11)
-    slopes = (torch.rand(4, generator=gen) * 0.3).to(DEVICE)
-    check_against_reference(RUNNERS[front], 2, 5, 300, 4, 2, 40, "bfloat16", True,
-                            window_size=(200, -1), alibi_slopes=slopes, softcap=3.0,
-                            dropout_p=0.25, dropout_seed=21, bias_shape=(2, 4, 5, 300))
+    check_with_every_option(RUNNERS[front], 2, 5, 300, 4, 2, 40, "bfloat16", seed=21,
+                            window_left=200, softcap=3.0, dropout_p=0.25)

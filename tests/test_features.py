@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from .common import DEVICE, check_against_reference, keep_mask, random_qkv, run_jax, run_torch
+from .common import (DEVICE, check_against_reference, check_with_every_option, keep_mask,
+                     random_qkv, run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 
@@ -57,11 +58,8 @@ def test_dropout_against_reference_with_the_kernels_mask(front, dtype, causal):
 
 @pytest.mark.parametrize("front", RUNNERS)
 def test_everything_combined(front):
-    gen = torch.Generator().manual_seed(9)
-    slopes = (torch.rand(6, generator=gen) * 0.3).to(DEVICE)
-    check_against_reference(RUNNERS[front], 2, 100, 120, 6, 2, 48, "bfloat16", True,
-                            window_size=(30, -1), alibi_slopes=slopes, softcap=5.0,
-                            dropout_p=0.2, dropout_seed=77, bias_shape=(1, 6, 100, 120))
+    check_with_every_option(RUNNERS[front], 2, 100, 120, 6, 2, 48, "bfloat16", seed=77,
+                            window_left=30, softcap=5.0, dropout_p=0.2, bias_batch=1)
 
 
 def test_keep_fraction_and_independence():

@@ -11,7 +11,8 @@ import torch
 from fa_kernels import configs, launcher
 from fa_kernels import plan as fa_plan
 
-from .common import DEVICE, ON_GPU, check_against_reference, random_qkv, run_jax, run_torch
+from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
+                     random_qkv, run_jax, run_torch)
 from .test_decode import _forward_jax, _forward_torch
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
@@ -67,12 +68,9 @@ def test_descriptor_forward_against_reference(descriptor_table, front, case):
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
 @pytest.mark.parametrize("front", RUNNERS)
 def test_descriptor_forward_with_every_option(descriptor_table, front):
-    gen = torch.Generator().manual_seed(4)
-    slopes = (torch.rand(4, generator=gen) * 0.3).to(DEVICE)
     seqlen_k = 700 if ON_GPU else 120
-    check_against_reference(RUNNERS[front], 2, 45, seqlen_k, 4, 2, 64, "bfloat16", True,
-                            window_size=(200, -1), alibi_slopes=slopes, softcap=5.0,
-                            dropout_p=0.15, dropout_seed=9, bias_shape=(2, 4, 45, seqlen_k))
+    check_with_every_option(RUNNERS[front], 2, 45, seqlen_k, 4, 2, 64, "bfloat16", seed=9,
+                            window_left=200, softcap=5.0, dropout_p=0.15)
 
 
 def _arrays(q, k, v):
