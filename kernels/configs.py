@@ -10,7 +10,7 @@ candidates on the GPU; the table holds what it chose.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,43 @@ def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     return short[(kernel, block_d, min(served))] if served else table[(kernel, block_d)]
 
 
+def shared_memory_limit(capability: tuple[int, int]) -> int:
+    """The most shared memory one program may take (bytes; CUDA's opt-in limit a block)."""
+    if capability[0] >= 9 and capability[0] < 12:  # Hopper, datacenter Blackwell
+        return 232448
+    if capability in ((8, 0), (8, 7)):  # A100, Orin
+        return 166912
+    return 101376 if capability[0] >= 8 else 65536  # consumer Ampere/Ada/Blackwell; older
+
+
+def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_item: int = 0,
+                  bias_grad: bool = False) -> int:
+    """An estimate of one program's shared memory (bytes): the tiles it holds (an fp32
+    dBias tile among them) plus, for each pipeline stage, the tiles it streams, and a
+    bias tile of ``bias_item`` bytes an element for each stage ahead. Triton's allocation
+    (``fa_kernels.offline``) matches it within a few hundred bytes for the forward and
+    dQ and stays below it for dK/dV."""
+    held_rows, streamed_rows = {"forward": (cfg.block_m, 2 * cfg.block_n),
+                                "dq": (2 * cfg.block_m, 2 * cfg.block_n),
+                                "dkdv": (2 * cfg.block_n, 2 * cfg.block_m)}.get(kernel, (0, 0))
+    if held_rows == 0:
+        return 0
+    tile = cfg.block_m * cfg.block_n
+    held = held_rows * block_d * item + (tile * 4 if bias_grad else 0)
+    stages = max(1, cfg.num_stages)
+    # (the bias tile of the block in use is read straight into registers)
+    return held + stages * streamed_rows * block_d * item + max(1, stages - 1) * tile * bias_item
+
+
 def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
-                capability: tuple[int, int] | None) -> TileConfig:
-    """The config of one kernel; ``capability`` None means the CPU interpreter."""
+                capability: tuple[int, int] | None, bias_item: int = 0,
+                bias_grad: bool = False) -> TileConfig:
+    """The config of one kernel; ``capability`` None means the CPU interpreter.
+
+    On a GPU the tile then fits the device's shared memory: a bias (``bias_item`` bytes
+    an element) and its gradient take room the table's entries did not count, and a GPU
+    smaller than the H200 has less. Down to two stages first, then the tile's longer
+    side halved, then one stage."""
     if capability is None:
         base = _INTERPRETER
     else:
@@ -140,4 +174,19 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
         # program an SM could run: short sequences would pay for stages they never fill.
         streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
         num_stages = min(num_stages, max(2, -(-streamed // block)))
-    return TileConfig(block_m, block_n, num_warps, num_stages, base.tma)
+    cfg = TileConfig(block_m, block_n, num_warps, num_stages, base.tma)
+    if capability is None:
+        return cfg
+    item = 4 if dtype == "float32" else 2
+    limit = shared_memory_limit(capability)
+    while shared_memory(kernel, cfg, block_d, item, bias_item, bias_grad) > limit:
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif max(cfg.block_m, cfg.block_n) > 16:  # halve the longer side of the tile
+            side = "block_m" if cfg.block_m > cfg.block_n else "block_n"
+            cfg = replace(cfg, **{side: getattr(cfg, side) // 2})
+        elif cfg.num_stages > 1:
+            cfg = replace(cfg, num_stages=1)
+        else:
+            break
+    return cfg

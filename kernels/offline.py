@@ -6,7 +6,8 @@ kernel, shared memory past the device's limit) would first show on the GPU. Trit
 compiler and its bundled ptxas need no GPU, so this compiles a grid of forward and
 backward variants for a given capability, specialising the arguments as Triton's JIT
 would (16-byte aligned arrays, integers by value), and reports each kernel's shared
-memory against the limit.
+memory against the limit, its registers a thread and its stack frame (bytes a thread of
+local memory: spilled registers), as ``cuobjdump`` reads them from the cubin.
 
     TRITON_INTERPRET=0 python -m fa_kernels.offline [--capability 9.0] [--quick]
 
@@ -15,15 +16,17 @@ TRITON_INTERPRET=0 keeps the kernels compilable (the interpreter replaces them).
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
+from . import configs, runtime
 from . import plan as fa_plan
-from . import runtime
 
 POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32"}
-# Largest dynamic shared memory of one program (bytes), by major capability.
-SHARED_LIMIT = {8: 166912, 9: 232448, 10: 232448}
 
 
 def input_dtypes(problem: fa_plan.AttentionProblem, plans) -> dict:
@@ -84,21 +87,42 @@ def compile_launch(launch, dtypes: dict, capability: tuple[int, int] = (9, 0)):
                           options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
 
 
+def resources(compiled) -> tuple[int, int] | None:
+    """(registers a thread, stack bytes a thread) of a compiled kernel, from the cubin by
+    the cuobjdump bundled with Triton; None where it cannot be read."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        try:
+            text = subprocess.run([tool, "--dump-resource-usage", cubin.name],
+                                  capture_output=True, text=True, timeout=60).stdout
+        except OSError:
+            return None
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
 def variants(quick: bool):
     """(name, problem, forward plan options) over head dims, dtypes and features."""
     head_dims = (64, 128) if quick else (32, 64, 96, 128, 256)
     dtypes = ("bfloat16",) if quick else ("bfloat16", "float16", "float32")
     for dtype in dtypes:
         for head_dim in head_dims:
-            shape = (2, 1024, 4, head_dim)
-            gqa_kv = (2, 1024, 2, head_dim)
+            # S = 4096 takes the table's main entries, S = 1024 its short-sequence ones.
+            shape, short = (2, 4096, 4, head_dim), (2, 1024, 4, head_dim)
+            gqa_kv = (2, 4096, 2, head_dim)
             check = lambda q, kv, **o: fa_plan.check_problem(  # noqa: E731
                 q, kv, kv, dtype, dtype, dtype, **o)
             yield f"{dtype} D={head_dim}", check(shape, shape), {}
+            yield f"{dtype} D={head_dim} S=1024", check(short, short), {}
             yield f"{dtype} D={head_dim} causal gqa", check(shape, gqa_kv, causal=True), {}
             yield (f"{dtype} D={head_dim} every option",
                    check(shape, gqa_kv, causal=True, window_size=(256, -1), softcap=30.0,
-                         dropout_p=0.1, bias_shape=(2, 4, 1024, 1024), bias_dtype=dtype,
+                         dropout_p=0.1, bias_shape=(2, 4, 4096, 4096), bias_dtype=dtype,
                          alibi_shape=(4,), alibi_dtype="float32"), {})
             if dtype != "float32":
                 yield f"{dtype} D={head_dim} tma", check(shape, shape), dict(tma=True)
@@ -116,24 +140,28 @@ def variants(quick: bool):
 
 def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     """Compile every variant's launches; print one line each; return the failures."""
-    limit = SHARED_LIMIT.get(capability[0], 101376)
+    limit = configs.shared_memory_limit(capability)
     failures = 0
     for name, problem, options in variants(quick):
         fwd = fa_plan.forward_plan(problem, capability=capability, **options)
         bwd = fa_plan.backward_plan(problem, capability=capability,
+                                    bias_grad=problem.bias_shape is not None,
                                     **{k: v for k, v in options.items() if k == "tma"})
         dtypes = input_dtypes(problem, (fwd, bwd))
         for launch in (*fwd.launches, *bwd.launches):
             start = time.time()
+            usage = None
             try:
                 compiled = compile_launch(launch, dtypes, capability)
                 shared = compiled.metadata.shared
+                usage = resources(compiled)
                 verdict = "ok" if shared <= limit else f"FAIL: {shared} B of shared memory > {limit}"
             except Exception as error:  # noqa: BLE001  (report every failure, then count)
                 shared, verdict = 0, f"FAIL: {type(error).__name__}: {str(error)[:300]}"
             failures += verdict != "ok"
-            print(f"{name:40s} {launch.kernel:32s} {shared:7d} B  {time.time() - start:5.1f} s  "
-                  f"{verdict}", file=out, flush=True)
+            regs = f"{usage[0]:3d} regs {usage[1]:4d} B stack" if usage else " " * 18
+            print(f"{name:40s} {launch.kernel:32s} {shared:7d} B smem  {regs}  "
+                  f"{time.time() - start:5.1f} s  {verdict}", file=out, flush=True)
     print(f"{failures} failed", file=out)
     return failures
 

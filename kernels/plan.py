@@ -106,6 +106,12 @@ class AttentionProblem:
     varlen: bool = False
     total_q: int = 0
     total_k: int = 0
+    bias_dtype: str | None = None
+
+    @property
+    def bias_item(self) -> int:
+        """Bytes of one bias element; 0 without a bias."""
+        return ITEMSIZE[self.bias_dtype] if self.bias_shape is not None else 0
 
     @property
     def group_size(self) -> int:
@@ -328,7 +334,8 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
     return AttentionProblem(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype,
                             causal, normalize_softmax_scale(softmax_scale, head_dim),
                             window_left, window_right, softcap, dropout_p, bias_shape,
-                            alibi_shape, varlen is not None, total_q, total_k)
+                            alibi_shape, varlen is not None, total_q, total_k,
+                            bias_dtype if bias_shape is not None else None)
 
 
 def _check_varlen(varlen: dict) -> tuple[int, int, int]:
@@ -518,7 +525,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     l_st = (0, p.total_q) if p.varlen else contiguous_strides(p.lse_shape)[:2]
     packed = pack_gqa(p)
     rows, heads = (p.seqlen_q * p.group_size, p.heads_k) if packed else (p.seqlen_q, p.heads_q)
-    cfg = tile_config("forward", p.block_d, p.dtype, rows, p.seqlen_k, capability)
+    cfg = tile_config("forward", p.block_d, p.dtype, rows, p.seqlen_k, capability,
+                      bias_item=p.bias_item)
     blocks = _cdiv(rows, cfg.block_m)
     key_blocks = _cdiv(p.seqlen_k, cfg.block_n) if cfg.block_n else 0
     if num_splits is None:
@@ -618,7 +626,9 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                     BLOCK_N=cfg.block_n, **_feature_constexprs(p), **extra, IS_VARLEN=p.varlen,
                     DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=aligned)
 
-    kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
+    bias_grad = bool(bias_grad and p.bias_shape is not None)
+    kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
+                     bias_item=p.bias_item)
     dkdv = Launch(
         kernel="attention_backward_dkdv",
         grid=(_cdiv(p.seqlen_k, kv.block_n), p.heads_k, p.batch),
@@ -630,11 +640,11 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
-    bias_grad = bool(bias_grad and p.bias_shape is not None)
     dbias = (Output("dbias", p.dbias_shape, "float32", zeroed=True) if bias_grad
              else Output("dbias", (1,), "float32"))
     dbias_st = contiguous_strides(p.dbias_shape)[:3] if bias_grad else (0, 0, 0)
-    qc = tile_config("dq", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability)
+    qc = tile_config("dq", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
+                     bias_item=p.bias_item, bias_grad=bias_grad)
     dq = Launch(
         kernel="attention_backward_dq",
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),

@@ -85,6 +85,38 @@ def test_pipeline_no_deeper_than_the_loop(kernel, streamed_by_q):
     assert tile_config("forward", 128, "bfloat16", 128, 128, None).num_stages == 1
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 6)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tiles_fit_shared_memory(capability, dtype):
+    # Every entry, with a bias and its gradient or without, fits the device's shared
+    # memory (kernels/offline.py compiles them and checks Triton's own numbers).
+    from fa_kernels import configs
+
+    limit = configs.shared_memory_limit(capability)
+    item = 4 if dtype == "float32" else 2
+    for kernel in ("forward", "dkdv", "dq"):
+        for block_d in (16, 32, 64, 128, 256):
+            for bias_item, bias_grad in ((0, False), (2, False), (4, True)):
+                cfg = tile_config(kernel, block_d, dtype, 4096, 4096, capability,
+                                  bias_item=bias_item, bias_grad=bias_grad)
+                assert configs.shared_memory(kernel, cfg, block_d, item, bias_item,
+                                             bias_grad) <= limit, (kernel, block_d, cfg)
+
+
+def test_a_bias_takes_a_stage_where_it_must():
+    # D = 256 dQ holds Q and dO (128 KB) and streams K/V: with the bias tiles and the
+    # dBias tile, three stages pass the H200's 227 KB; two fit. Without a bias: three.
+    plain = tile_config("dq", 256, "bfloat16", 4096, 4096, (9, 0))
+    biased = tile_config("dq", 256, "bfloat16", 4096, 4096, (9, 0), bias_item=2,
+                         bias_grad=True)
+    assert (plain.num_stages, biased.num_stages) == (3, 2)
+    assert (plain.block_m, plain.block_n) == (biased.block_m, biased.block_n)
+    shape = (1, 4096, 2, 256)
+    p = plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16",
+                           bias_shape=(1, 2, 4096, 4096), bias_dtype="bfloat16")
+    assert plan.backward_plan(p, capability=(9, 0), bias_grad=True).dq.num_stages == 2
+
+
 def test_same_plan_for_both_front_ends():
     # The plan depends only on shapes, dtype, options and the target: both front ends
     # ask with the same values, so they launch the same kernels with the same configs.
