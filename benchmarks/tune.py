@@ -45,24 +45,29 @@ LAUNCH_OF = {"forward": "launch", "dkdv": "dkdv", "dq": "dq"}
 CHECKED = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq",)}
 
 
-def candidates(kernel: str, head_dim: int, dtype: str, hopper: bool = False):
+def fits(kernel: str, cfg, head_dim: int, dtype: str, capability) -> bool:
+    """The config's tiles fit the GPU's shared memory: the table's fitting
+    (configs.tile_config) leaves it as it is, so the config timed is the config kept."""
+    return (configs.shared_memory(kernel, cfg, head_dim, configs.ITEMSIZE[dtype])
+            <= configs.shared_memory_limit(capability))
+
+
+def candidates(kernel: str, head_dim: int, dtype: str, capability):
     if kernel == "forward":
         blocks_m, blocks_n = (64, 128), (32, 64, 128)
     elif kernel == "dkdv":  # block_m: queries streamed, block_n: keys held
         blocks_m, blocks_n = (16, 32, 64), (64, 128)
     else:  # dq: block_m queries held, block_n keys streamed
         blocks_m, blocks_n = (64, 128), (16, 32, 64)
-    item = 4 if dtype == "float32" else 2
     out = []
     stage_counts = (2, 3, 4) if kernel == "forward" else (1, 2, 3)
     for bm, bn, warps, stages in itertools.product(blocks_m, blocks_n, (4, 8), stage_counts):
-        streamed = bn if kernel != "dkdv" else bm
-        held = bm if kernel != "dkdv" else bn
-        smem = (held + 2 * streamed * max(stages, 1)) * head_dim * item
-        if smem > 220 * 1024 or (head_dim >= 256 and bm * bn > 64 * 64 and warps == 4):
+        cfg = configs.TileConfig(bm, bn, warps, stages)
+        if (not fits(kernel, cfg, head_dim, dtype, capability)
+                or (head_dim >= 256 and bm * bn > 64 * 64 and warps == 4)):
             continue
-        out.append(configs.TileConfig(bm, bn, warps, stages))
-        if hopper:  # the streamed blocks through TMA
+        out.append(cfg)
+        if capability >= (9, 0):  # the streamed blocks through TMA
             out.append(configs.TileConfig(bm, bn, warps, stages, tma=True))
     return out
 
@@ -165,12 +170,12 @@ def close(a, b) -> bool:
 DECODE_SHAPES = ((16, 1, 8192, 32, 8), (1, 1, 32768, 32, 32))
 
 
-def decode_candidates(head_dim: int, dtype: str):
-    item = 4 if dtype == "float32" else 2
+def decode_candidates(head_dim: int, dtype: str, capability):
     out = []
     for bn, warps, stages in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)):
-        if (configs.FEW_ROWS + 2 * bn * stages) * head_dim * item <= 220 * 1024:
-            out.append(configs.TileConfig(configs.FEW_ROWS, bn, warps, stages))
+        cfg = configs.TileConfig(configs.FEW_ROWS, bn, warps, stages)
+        if fits("forward", cfg, head_dim, dtype, capability):
+            out.append(cfg)
     return out
 
 
@@ -208,8 +213,9 @@ def tune_decode(args):
     dtype = args.dtype
     head_dims = [int(d) for d in args.head_dims.split(",")]
     num_sms = fa_kernels.runtime.multiprocessors(0)
-    tasks = [(d, dtype, tuple(c.__dict__.values())) for d in head_dims
-             for c in decode_candidates(d, dtype)]
+    capability = torch.cuda.get_device_capability()
+    tasks = [(d, dtype, dataclasses.astuple(c)) for d in head_dims
+             for c in decode_candidates(d, dtype, capability)]
     with futures.ProcessPoolExecutor(args.workers,
                                      mp_context=multiprocessing.get_context("spawn")) as pool:
         failed = {task for task, error in pool.map(_compile_decode, tasks) if error}
@@ -238,8 +244,8 @@ def tune_decode(args):
         print(f"decode D={head_dim} main entry: {' / '.join(f'{m:.3f}' for m in base_ms)} ms",
               flush=True)
         best = (sum(base_ms), None, base_ms)
-        for cfg in decode_candidates(head_dim, dtype):
-            if (head_dim, dtype, tuple(cfg.__dict__.values())) in failed:
+        for cfg in decode_candidates(head_dim, dtype, capability):
+            if (head_dim, dtype, dataclasses.astuple(cfg)) in failed:
                 continue
             table[("forward", head_dim)] = cfg
             try:
@@ -298,9 +304,9 @@ def main(argv=None):
     head_dims = [int(d) for d in args.head_dims.split(",")]
     capability = torch.cuda.get_device_capability()
 
-    hopper = capability >= (9, 0)
     tasks = [(kernel, d, dtype, args.seqlen, dataclasses.astuple(c))
-             for d in head_dims for kernel in kernels for c in candidates(kernel, d, dtype, hopper)]
+             for d in head_dims for kernel in kernels
+             for c in candidates(kernel, d, dtype, capability)]
     start = time.time()
     failed = {}
     with futures.ProcessPoolExecutor(args.workers,
@@ -325,7 +331,7 @@ def main(argv=None):
                                   torch.device("cuda"))
                 baseline[c] = {n: out[n].clone() for n in CHECKED[kernel]}
             timed = []
-            for cfg in candidates(kernel, head_dim, dtype, hopper):
+            for cfg in candidates(kernel, head_dim, dtype, capability):
                 key = (kernel, head_dim, dtype, args.seqlen, dataclasses.astuple(cfg))
                 if key in failed:
                     continue

@@ -9,7 +9,6 @@ import threading
 
 import torch
 
-import fa_kernels
 from fa_kernels import runtime
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -71,12 +70,9 @@ def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> No
     results = [outputs[o.name] for o in launch.outputs]
     from fa_kernels import launcher
 
-    if runtime.interpreting():
-        launch = launcher.fit_to_arrays(launch, inputs)
-        kernel = fa_kernels.kernel(launch.kernel)[launch.grid]
+    if runtime.interpreting():  # (the interpreter's kernels are never cached)
         with _INTERPRETER_LOCK:
-            kernel(*inputs, *launch.scalars, *results, num_warps=launch.num_warps,
-                   num_stages=launch.num_stages, **launch.constexprs)
+            launcher.launch(launch, inputs, results, None)
         return
     current = torch.cuda.current_device()
     if device.index is None or device.index == current:  # the usual case: no device switch

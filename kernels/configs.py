@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes an element
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
@@ -177,9 +180,8 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     cfg = TileConfig(block_m, block_n, num_warps, num_stages, base.tma)
     if capability is None:
         return cfg
-    item = 4 if dtype == "float32" else 2
     limit = shared_memory_limit(capability)
-    while shared_memory(kernel, cfg, block_d, item, bias_item, bias_grad) > limit:
+    while shared_memory(kernel, cfg, block_d, ITEMSIZE[dtype], bias_item, bias_grad) > limit:
         if cfg.num_stages > 2:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
         elif max(cfg.block_m, cfg.block_n) > 16:  # halve the longer side of the tile

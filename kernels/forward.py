@@ -13,7 +13,7 @@ path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (LN2, aligned, dropout_keep, key_blocks, block_source, load_block,
+from .helpers import (LN2, aligned, block_source, dropout_keep, key_blocks, load_block,
                       load_rows, load_seed, load_tile, scores, sequence_bounds, softmax_step,
                       split_blocks, store_rows, store_tile, visible)
 
@@ -30,7 +30,7 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
     """Fold the key block starting at ``start_n`` into the running softmax."""
     cols = start_n + offs_n
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                       MASKED, USE_TMA)
+                   MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
                softcap_log2, bias_base, stride_bm, stride_bn, slope,
@@ -43,7 +43,7 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
     v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
-                       MASKED, USE_TMA)
+                   MASKED, USE_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 

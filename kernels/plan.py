@@ -25,10 +25,9 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from .configs import seqlen_bucket, tile_config
+from .configs import ITEMSIZE, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # Every array argument of the attention kernels, in signature order.
@@ -432,9 +431,12 @@ def _aligned(*strides: tuple[int, int, int]) -> bool:
     return all(s % 16 == 0 for st in strides for s in st)
 
 
-def _use_tma(wanted: bool, capability, dtype: str, *strides: tuple[int, int, int]) -> bool:
-    """Tensor descriptors for a kernel's streamed blocks: from Hopper on (the interpreter
-    has them too), with every (batch, seq, head) stride a whole number of 16 bytes."""
+def _use_tma(cfg, override: bool | None, capability, dtype: str,
+             *strides: tuple[int, int, int]) -> bool:
+    """Tensor descriptors for a kernel's streamed blocks, as the table entry says unless
+    ``override`` is given: from Hopper on (the interpreter has them too), with every
+    (batch, seq, head) stride a whole number of 16 bytes."""
+    wanted = cfg.tma if override is None else override
     return (bool(wanted) and (capability is None or capability >= (9, 0))
             and all(s * ITEMSIZE[dtype] % 16 == 0 for st in strides for s in st))
 
@@ -533,7 +535,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
-    use_tma = _use_tma(cfg.tma if tma is None else tma, capability, p.dtype, k_st, v_st)
+    use_tma = _use_tma(cfg, tma, capability, p.dtype, k_st, v_st)
     results = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
@@ -635,8 +637,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dkv_st, *dkv_st),
         outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
-        constexprs=constexprs(kv, USE_TMA=_use_tma(kv.tma if tma is None else tma, capability,
-                                                   p.dtype, q_st, do_st)),
+        constexprs=constexprs(kv, USE_TMA=_use_tma(kv, tma, capability, p.dtype, q_st, do_st)),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
@@ -652,8 +653,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         scalars=(*common_scalars, *dq_st, *dbias_st),
         outputs=(Output("dq", p.q_shape, p.dtype), dbias),
         constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
-                              USE_TMA=_use_tma(qc.tma if tma is None else tma, capability,
-                                               p.dtype, k_st, v_st)),
+                              USE_TMA=_use_tma(qc, tma, capability, p.dtype, k_st, v_st)),
         num_warps=qc.num_warps,
         num_stages=qc.num_stages,
     )

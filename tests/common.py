@@ -103,6 +103,29 @@ def run_jax(q, k, v, dout, bias=None, alibi_slopes=None, **options):
     return from_numpy(out), from_numpy(lse), [from_numpy(g) for g in grads]
 
 
+def forward_plan_torch(fwd, arrays):
+    """Run a forward plan's launches through fa_torch's launcher: (out, lse)."""
+    from fa_torch import _launch
+
+    arrays = dict(arrays)
+    for launch in fwd.launches:
+        _launch.run(launch, arrays, DEVICE)
+    return arrays["out"], arrays["lse"]
+
+
+def forward_plan_jax(fwd, arrays):
+    """The same launches through fa_jax (custom calls), on torch inputs: (out, lse)."""
+    import jax.numpy as jnp
+
+    from fa_jax import _launch
+
+    arrays = {n: (jnp.asarray(to_numpy(x)) if x is not None else _launch.placeholder())
+              for n, x in arrays.items()}
+    for launch in fwd.launches:
+        _launch.run(launch, arrays)
+    return from_numpy(arrays["out"]), from_numpy(arrays["lse"])
+
+
 def keep_mask(front, seed, batch, heads, seqlen_q, seqlen_k, dropout_p):
     """The dropout keep mask a front end draws for this seed, as a torch bool tensor."""
     if front == "jax":

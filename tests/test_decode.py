@@ -13,8 +13,8 @@ import torch
 from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference,
-                     check_with_every_option, from_numpy, random_qkv, reference_grads, run_jax,
-                     run_torch, to_numpy)
+                     check_with_every_option, forward_plan_jax, forward_plan_torch, from_numpy,
+                     random_qkv, reference_grads, run_jax, run_torch, to_numpy)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 
@@ -52,27 +52,6 @@ def test_public_decode_call_splits_on_the_gpu():
 # ---------------------------------------------------------------- split-KV, forced
 
 
-def _forward_torch(fwd, arrays):
-    from fa_torch import _launch
-
-    arrays = dict(arrays)
-    for launch in fwd.launches:
-        _launch.run(launch, arrays, DEVICE)
-    return arrays["out"], arrays["lse"]
-
-
-def _forward_jax(fwd, arrays):
-    import jax.numpy as jnp
-
-    from fa_jax import _launch
-
-    arrays = {n: (jnp.asarray(to_numpy(x)) if x is not None else _launch.placeholder())
-              for n, x in arrays.items()}
-    for launch in fwd.launches:
-        _launch.run(launch, arrays)
-    return from_numpy(arrays["out"]), from_numpy(arrays["lse"])
-
-
 CASES = {
     "decode-gqa": dict(shape=(2, 1, 200, 8, 2), options={}),
     "causal-odd": dict(shape=(1, 37, 150, 2, 2), options=dict(causal=True)),
@@ -95,7 +74,7 @@ def test_split_kv_forward(case, num_splits):
     assert fwd.num_splits == num_splits and len(fwd.launches) == 2
     arrays = {"q": q, "k": k, "v": v, "bias": None, "slopes": None, "seed": None,
               "cu_seqlens_q": None, "cu_seqlens_k": None}
-    out, lse = _forward_torch(fwd, arrays)
+    out, lse = forward_plan_torch(fwd, arrays)
     causal = options.get("causal", False)
     window = options.get("window_size", (-1, -1))
     dout = torch.zeros_like(q)
@@ -109,7 +88,7 @@ def test_split_kv_forward(case, num_splits):
         empty = torch.isinf(lse).transpose(1, 2).cpu()  # (B, Sq, Hq)
         assert empty.sum() == 10 * 2 and not out.cpu()[empty].any()
     # The same kernels from jax: the same bits.
-    j_out, j_lse = _forward_jax(fwd, arrays)
+    j_out, j_lse = forward_plan_jax(fwd, arrays)
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
 
 
@@ -131,7 +110,7 @@ def test_split_kv_varlen():
                     max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k)))
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(DEVICE), num_splits=3)
     assert fwd.num_splits == 3 and fwd.pack_gqa
-    out, lse = _forward_torch(fwd, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q,
+    out, lse = forward_plan_torch(fwd, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q,
                                     "cu_seqlens_k": cu_k})
     for b in range(len(lengths_q)):
         sq = slice(int(cu_q[b]), int(cu_q[b + 1]))

@@ -12,8 +12,7 @@ from fa_kernels import configs, launcher
 from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
-                     random_qkv, run_jax, run_torch)
-from .test_decode import _forward_jax, _forward_torch
+                     forward_plan_jax, forward_plan_torch, random_qkv, run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
@@ -91,10 +90,10 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     plain, tma = (fa_plan.forward_plan(problem, capability=CAPABILITY, tma=flag,
                                        num_splits=num_splits) for flag in (False, True))
     assert tma.launch.constexprs["USE_TMA"] and not plain.launch.constexprs["USE_TMA"]
-    out, lse = _forward_torch(tma, _arrays(q, k, v))
-    p_out, p_lse = _forward_torch(plain, _arrays(q, k, v))
+    out, lse = forward_plan_torch(tma, _arrays(q, k, v))
+    p_out, p_lse = forward_plan_torch(plain, _arrays(q, k, v))
     assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
-    j_out, j_lse = _forward_jax(tma, _arrays(q, k, v))
+    j_out, j_lse = forward_plan_jax(tma, _arrays(q, k, v))
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
 
 
@@ -108,7 +107,7 @@ def test_descriptor_backward_gives_the_same_bits(causal):
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
                                     "bfloat16", causal=causal)
-    out, lse = _forward_torch(fa_plan.forward_plan(problem, capability=CAPABILITY),
+    out, lse = forward_plan_torch(fa_plan.forward_plan(problem, capability=CAPABILITY),
                               _arrays(q, k, v))
     grads = {}
     for flag in (False, True):
@@ -137,9 +136,9 @@ def test_unaligned_keys_fall_back_to_pointer_loads():
     fitted = launcher.fit_to_arrays(tma.launch, inputs)
     assert not fitted.constexprs["USE_TMA"] and fitted.grid == tma.launch.grid
     assert launcher.fit_to_arrays(tma.launch, [q, k, v]) is tma.launch
-    out, lse = _forward_torch(tma, _arrays(q, k_view, v))
+    out, lse = forward_plan_torch(tma, _arrays(q, k_view, v))
     plain = fa_plan.forward_plan(problem, capability=CAPABILITY, tma=False)
-    p_out, p_lse = _forward_torch(plain, _arrays(q, k, v))
+    p_out, p_lse = forward_plan_torch(plain, _arrays(q, k, v))
     assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
 
 
