@@ -6,7 +6,7 @@ Pallas' Triton attention. FLOPs follow flash-attn: 4*B*H*Sq*Sk*D for the forward
 halved when causal; forward+backward counts 3.5x the forward. Each time is the median
 of many runs after warm-up, on random inputs.
 
-    python benchmarks/bench.py [--quick] [--window W]... [--peers a,b] [--memory] [--deterministic]
+    python benchmarks/bench.py [--quick] [--window W]... [--peers a,b] [--memory]
                                [--shape B,S,Hq,Hk,D,causal | B,Sq,Sk,Hq,Hk,D,causal]...
                                [--out benchmarks]            # RESULTS.md, bench.png
 
@@ -15,8 +15,6 @@ window; their TFLOP/s still count the dense FLOPs, so a rising number means fall
 time. ``--peers`` keeps only the peers whose names contain one of the given words
 (fa_torch and fa_jax always run). ``--memory`` adds a table of peak device memory of
 forward+backward against the sequence length (it must grow linearly).
-``--deterministic`` also times fa_torch and fa_jax with ``deterministic=True`` (the
-backward without atomics; the default sums dQ with them from sm_90 on).
 """
 from __future__ import annotations
 
@@ -218,16 +216,6 @@ def add_window_impls(t_impls, j_impls, w):
                                                  window_size=window(causal)))
 
 
-def add_deterministic_impls(t_impls, j_impls):
-    import fa_jax
-
-    t_impls["fa_torch deterministic"] = (
-        lambda q, k, v, causal: fa_torch.attention(q, k, v, causal=causal, deterministic=True),
-        "bshd")
-    j_impls["fa_jax deterministic"] = (
-        lambda q, k, v, causal: fa_jax.attention(q, k, v, causal=causal, deterministic=True))
-
-
 def memory_table(seqlens=(8192, 16384, 32768, 65536), heads=16, head_dim=128):
     """Peak device memory of one fwd+bwd (B=1, bf16), fa_torch and fa_jax, against S.
 
@@ -283,8 +271,6 @@ def main():
                         help="comma-separated words: keep only peers whose name has one")
     parser.add_argument("--memory", action="store_true",
                         help="also report peak memory of fwd+bwd at S = 8k..64k")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="also time fa_torch/fa_jax with deterministic=True")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
@@ -301,8 +287,6 @@ def main():
         j_impls = {n: v for n, v in j_impls.items() if keep(n)}
     for w in args.window:
         add_window_impls(t_impls, j_impls, w)
-    if args.deterministic:
-        add_deterministic_impls(t_impls, j_impls)
 
     chosen = [parse_shape(spec) for spec in args.shape] or shapes(args.quick)
     work = [(s, m) for s in chosen for m in modes]

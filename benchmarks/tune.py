@@ -1,8 +1,7 @@
 """Pick block sizes, warps and stages for ``kernels/configs.py`` on the GPU.
 
 For each (kernel, head dim) it times every candidate config of that one kernel
-(forward, backward dK/dV, backward dQ, and ``dkdv_dq``: the dK/dV kernel that also sums
-dQ, the backward's default from sm_90 on) on a representative problem, causal and not,
+(forward, backward dK/dV, backward dQ) on a representative problem, causal and not,
 through the plan and fa_torch's launcher (`triton.testing.do_bench`, median), and keeps
 only candidates whose outputs match the current table's (a config that is fast and
 wrong is dropped; the full test suite checks the final table against float64).
@@ -10,8 +9,7 @@ Candidates are compiled first in a pool of processes (Triton's disk cache then s
 the timing process), so a sweep of a few hundred configs fits in minutes.
 
     python benchmarks/tune.py [--head-dims 64,128,256] [--dtype bfloat16]
-                              [--kernels forward,dkdv,dq,dkdv_dq] [--seqlen 4096]
-                              [--workers 16]
+                              [--kernels forward,dkdv,dq] [--seqlen 4096] [--workers 16]
                               [--out DIR]
 
 ``--seqlen`` below 4096 tunes the short-sequence entries (``_GPU_16BIT_SHORT``: keyed
@@ -42,10 +40,9 @@ import torch  # noqa: E402
 from fa_kernels import configs, plan  # noqa: E402
 from fa_torch import _launch  # noqa: E402
 
-KERNELS = ("forward", "dkdv", "dq", "dkdv_dq")
-# dkdv_dq: the dK/dV kernel that also sums dQ (the backward's default from sm_90 on)
-CHECKED = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq",),
-           "dkdv_dq": ("dk", "dv", "dq_accum")}
+KERNELS = ("forward", "dkdv", "dq")
+LAUNCH_OF = {"forward": "launch", "dkdv": "dkdv", "dq": "dq"}
+CHECKED = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq",)}
 
 
 def fits(kernel: str, cfg, head_dim: int, dtype: str, capability) -> bool:
@@ -60,8 +57,6 @@ def candidates(kernel: str, head_dim: int, dtype: str, capability):
         blocks_m, blocks_n = (64, 128), (32, 64, 128)
     elif kernel == "dkdv":  # block_m: queries streamed, block_n: keys held
         blocks_m, blocks_n = (16, 32, 64), (64, 128)
-    elif kernel == "dkdv_dq":
-        blocks_m, blocks_n = (16, 32, 64) + ((128,) if head_dim <= 64 else ()), (64, 128)
     else:  # dq: block_m queries held, block_n keys streamed
         blocks_m, blocks_n = (64, 128), (16, 32, 64)
     out = []
@@ -115,13 +110,9 @@ def plans(p, capability):
     # The plans are cached, and this script edits the table under them: rebuild.
     plan.forward_plan.cache_clear()
     plan.backward_plan.cache_clear()
-    split = plan.backward_plan(p, capability=capability, deterministic=True)
-    launches = {"forward": plan.forward_plan(p, capability=capability),
-                "preprocess": split.preprocess, "dkdv": split.dkdv, "dq": split.dq}
-    fused = plan.backward_plan(p, capability=capability)
-    if fused.fused_dq:
-        launches["dkdv_dq"] = fused.dkdv
-    return launches
+    return {"forward": plan.forward_plan(p, capability=capability),
+            **{k: getattr(plan.backward_plan(p, capability=capability), k)
+               for k in ("preprocess", "dkdv", "dq")}}
 
 
 def random_arrays(p, names, seed=0):

@@ -34,7 +34,6 @@ class Options:
     varlen: bool
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    deterministic: bool = False  # the backward's: no atomics (fa_kernels.plan.fused_dq)
 
 
 def _dtype_name(x) -> str:
@@ -154,8 +153,7 @@ def _kernel_body(kind: str, options: Options):
                 _launch.run(launch, arrays)
             return arrays["out"], arrays["lse"]
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
-                                    bias_grad=options.has_bias,
-                                    deterministic=options.deterministic)
+                                    bias_grad=options.has_bias)
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
         arrays["dlse"] = arrays["dlse"].astype(jnp.float32)
         for launch in bwd.launches:
@@ -286,8 +284,7 @@ def dropout_seed_array(dropout_seed):
 
 def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
           softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-          return_lse, deterministic):
-    deterministic = fa_plan.check_bool("deterministic", deterministic)
+          return_lse):
     named = {"q": q, "k": k, "v": v}
     for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
                     ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -310,7 +307,7 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
     options = Options(problem.causal, problem.softmax_scale, tuple(int(w) for w in window_size),
                       problem.softcap, problem.dropout_p, bias is not None,
                       alibi_slopes is not None, varlen, problem.seqlen_q if varlen else 0,
-                      problem.seqlen_k if varlen else 0, deterministic)
+                      problem.seqlen_k if varlen else 0)
     seed = dropout_seed_array(dropout_seed) if problem.dropout_p > 0 else None
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -334,14 +331,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``window_size`` (left, right; -1 unbounded), ``softcap``, ``dropout_p`` with
     ``dropout_seed`` (an int, a uint32 array, possibly traced, or a PRNG key; required).
     Returns ``out``, or ``(out, lse)`` with ``return_lse`` (lse ``(batch, heads_q,
-    seqlen_q)`` fp32, natural log, -inf for a row with no key; differentiable).
-    ``deterministic=True``: the backward gives the same bits on every run; False (the
-    default) lets it sum dQ with atomics on Hopper and newer (as fa_torch).
+    seqlen_q)`` fp32, natural log, -inf for a row with no key; differentiable). The
+    backward never uses atomics: it is always deterministic.
     """
     return _call(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                  bias=bias, alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                 dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
-                 deterministic=deterministic)
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -352,12 +347,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     """Attention over packed sequences: q ``(total_q, heads_q, head_dim)``, k and v
     ``(total_k, heads_k, head_dim)``, int32 ``cu_seqlens`` of shape (batch + 1,).
     ``max_seqlen_*`` are static Python ints that bound the lengths. Concrete cu_seqlens
-    are checked; traced ones are trusted. lse is ``(heads_q, total_q)``. ``deterministic``
-    as in ``attention``."""
+    are checked; traced ones are trusted. lse is ``(heads_q, total_q)``."""
     return _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                  softmax_scale=softmax_scale, bias=bias, alibi_slopes=alibi_slopes,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p,
-                 dropout_seed=dropout_seed, return_lse=return_lse, deterministic=deterministic)
+                 dropout_seed=dropout_seed, return_lse=return_lse)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

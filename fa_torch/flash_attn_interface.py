@@ -15,8 +15,7 @@ from .ops import dropout_mask as _dropout_mask
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-         return_attn_probs):
+         softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     seed = None
     if dropout_p > 0:
         # Drawn here so the debug mask below is the one the kernel used.
@@ -25,8 +24,7 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropou
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal=causal, softmax_scale=softmax_scale, bias=None,
                           alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                          dropout_p=dropout_p, dropout_seed=seed, return_lse=True,
-                          deterministic=deterministic)
+                          dropout_p=dropout_p, dropout_seed=seed, return_lse=True)
     if not return_attn_probs:
         return out
     mask = None
@@ -41,7 +39,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim)."""
     return _run(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size,
-                softcap, alibi_slopes, deterministic, return_attn_probs)
+                softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -50,7 +48,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """qkv (batch, seqlen, 3, nheads, headdim): the views are used in place."""
     q, k, v = qkv.unbind(dim=2)
     return _run(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size,
-                softcap, alibi_slopes, deterministic, return_attn_probs)
+                softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -59,7 +57,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     k, v = kv.unbind(dim=2)
     return _run(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size,
-                softcap, alibi_slopes, deterministic, return_attn_probs)
+                softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -70,8 +68,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not supported")
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs)
+                softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -81,8 +78,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """qkv (total, 3, nheads, headdim)."""
     q, k, v = qkv.unbind(dim=1)
     return _run(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs)
+                softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -93,5 +89,4 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
     k, v = kv.unbind(dim=1)
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs)
+                softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)

@@ -107,10 +107,9 @@ def _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seq
 
 def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                  dropout_p, deterministic=False, problem=None):
+                  dropout_p, problem=None):
     """(out, lse): the forward launches (the body of the op below). ``problem``: the
-    call's validated problem when the caller has it already (the eager path).
-    ``deterministic`` is the backward's (an option of the op, so autograd hands it on)."""
+    call's validated problem when the caller has it already (the eager path)."""
     q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
     problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -131,7 +130,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
                       window_left: int, window_right: int, softcap: float,
-                      dropout_p: float, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+                      dropout_p: float) -> tuple[Tensor, Tensor]:
     """(out, lse); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen)."""
     return _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
@@ -140,7 +139,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
 
 @attention_forward.register_fake
 def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      causal, softmax_scale, window_left, window_right, softcap, dropout_p, deterministic=False):
+      causal, softmax_scale, window_left, window_right, softcap, dropout_p):
     problem = _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, causal, softmax_scale, window_left, window_right,
                           softcap, dropout_p)
@@ -149,9 +148,8 @@ def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-                   window_right, softcap, dropout_p, deterministic, bias_grad, problem=None):
-    """(dq, dk, dv, dbias): the backward launches (the body of the op below). Unless
-    ``deterministic``, dQ may be summed with atomics (``fa_kernels.plan.fused_dq``)."""
+                   window_right, softcap, dropout_p, bias_grad, problem=None):
+    """(dq, dk, dv, dbias): the backward launches (the body of the op below)."""
     q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
     problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -160,7 +158,7 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_s
                                 q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                 out_strides=out.stride(), dout_strides=dout.stride(),
                                 bias_strides=_bias_strides(bias), bias_grad=bias_grad,
-                                has_dlse=dlse is not None, deterministic=deterministic)
+                                has_dlse=dlse is not None)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
     arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
@@ -185,23 +183,23 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                        max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
                        window_left: int, window_right: int, softcap: float, dropout_p: float,
-                       deterministic: bool, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty."""
     return _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          window_left, window_right, softcap, dropout_p, deterministic, bias_grad)
+                          window_left, window_right, softcap, dropout_p, bias_grad)
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-      dropout_p, deterministic, bias_grad):
+      dropout_p, bias_grad):
     dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 _OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left",
-                 "window_right", "softcap", "dropout_p", "deterministic")
+                 "window_right", "softcap", "dropout_p")
 
 
 def _setup_context(ctx, inputs, output):
@@ -324,8 +322,7 @@ def _autocast(q, k, v):
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
                softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-               return_lse, deterministic):
-    deterministic = fa_plan.check_bool("deterministic", deterministic)
+               return_lse):
     q, k, v = _autocast(q, k, v)
     problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, causal, softmax_scale, window_size, softcap, dropout_p)
@@ -337,7 +334,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                              problem.seqlen_q if problem.varlen else 0,
                              problem.seqlen_k if problem.varlen else 0, problem.causal,
                              problem.softmax_scale, window_size[0], window_size[1],
-                             problem.softcap, problem.dropout_p, deterministic)
+                             problem.softcap, problem.dropout_p)
     return (out, lse) if return_lse else out
 
 
@@ -365,17 +362,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             function of (seed, batch, head, i, j). None draws the seed from torch's generator.
         return_lse: also return the log-sum-exp ``(batch, heads_q, seqlen_q)`` fp32
             (natural log; -inf for a row that sees no key). It is differentiable.
-        deterministic: the backward gives the same bits on every run. False (the default,
-            as in flash-attn) lets it sum dQ with atomics on Hopper and newer, which
-            saves two of its seven matmuls; True keeps the separate dQ kernel (also used
-            for a bias gradient and on older GPUs).
+        deterministic: accepted for flash-attn compatibility; the backward never uses
+            atomics, so it is always deterministic.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse``.
     """
     return _attention(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                       bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
                       softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                      return_lse=return_lse, deterministic=deterministic)
+                      return_lse=return_lse)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -392,13 +387,11 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     of 0 is fine). ``max_seqlen_*`` must bound the lengths. lse is ``(heads_q, total_q)``.
     cu_seqlens on the CPU are checked (start 0, non-decreasing, end = total); on the GPU
     they are trusted (checking would need a device sync). ``bias`` is not supported.
-    ``deterministic`` as in ``attention``.
     """
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       causal=causal, softmax_scale=softmax_scale, bias=bias,
                       alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
-                      deterministic=deterministic)
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

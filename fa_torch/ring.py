@@ -103,8 +103,7 @@ def _attend(q, k, v, causal, scale):
 
 def _grads(q, k, v, out, lse, dout, causal, scale):
     dq, dk, dv, _ = ops.attention_backward(dout, q, k, v, out, lse, None, None, None, None, None,
-                                           None, 0, 0, causal, scale, -1, -1, 0.0, 0.0, False,
-                                           False)
+                                           None, 0, 0, causal, scale, -1, -1, 0.0, 0.0, False)
     return dq.float(), dk.float(), dv.float()
 
 

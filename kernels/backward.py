@@ -15,14 +15,6 @@ multiplies P by keep / (1 - p) on the way to dV and dP by the same on the way ba
 * ``attention_backward_dq``: one program per (query block, query head, batch entry)
   loops over the key blocks it sees, like the forward; it also writes dZ for the bias.
 
-The fused form (``FUSED_DQ``, from Hopper on, when the caller does not ask for
-determinism and the bias needs no gradient) drops the dQ kernel, which recomputes
-Q K^T and dO V^T: the dK/dV kernel also forms each step's dS K and adds it into an
-fp32 dQ sum with TMA's reduce-add (one bulk copy a tile, done by the copy engine
-while the program goes on); ``attention_backward_postprocess`` then scales and casts
-it. Five matmuls a tile instead of seven; the order of the adds varies from run to
-run, so dQ's last bits do too.
-
 The outflow rule: scores are scaled once in fp32, and the remaining factors
 (``softmax_scale`` for dK and dQ, 1 / (1 - p) for dV) are applied on the way out.
 """
@@ -70,16 +62,15 @@ def attention_backward_preprocess(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_source, do_source, dq_target, lse_base, delta_base, bias_base, start_m, cols,
+def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr):
-    """Add one query block's share to dK and dV (tiles kept transposed: keys x queries),
-    and with FUSED_DQ this key block's share to the query block's dQ sum."""
+               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Add one query block's share to dK and dV (tiles kept transposed: keys x queries)."""
     rows = start_m + offs_m
     q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,
                    True, USE_TMA)
@@ -105,11 +96,7 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, dq_target, lse_base, delta_bas
     ds_t = p_t * (dp_t - delta[None, :])
     if HAS_SOFTCAP:
         ds_t = ds_t * softcap_slope(qk_t, softcap_scale)
-    ds_t = ds_t.to(q.dtype)
-    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-    if FUSED_DQ:
-        dq_target.atomic_add([start_m, 0], tl.dot(tl.trans(ds_t), k,
-                                                 input_precision=DOT_PRECISION))
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -127,14 +114,13 @@ def attention_backward_dkdv(
     stride_sb,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_dqab, stride_dqam, stride_dqah,
-    dK, dV, dQaccum,
+    dK, dV,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -188,10 +174,6 @@ def attention_backward_dkdv(
         do_source = block_source(
             dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
             seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        # (the plan makes dQaccum's rows whole 16-byte units, as a descriptor needs)
-        dq_target = block_source(
-            dQaccum + batch64 * stride_dqab + head64 * stride_dqah + q_start * stride_dqam,
-            seqlen_q, stride_dqam, HEAD_DIM, BLOCK_M, BLOCK_D, FUSED_DQ)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
         delta_base = Delta + batch64 * stride_lb + head64 * stride_lh + q_start
         bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
@@ -200,28 +182,28 @@ def attention_backward_dkdv(
             slope = tl.load(Slopes + batch64 * stride_sb + head64)
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, dq_target, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA, FUSED_DQ)
+                DOT_PRECISION, USE_TMA)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, dq_target, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA, FUSED_DQ)
+                DOT_PRECISION, USE_TMA)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, dq_target, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
                 LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA, FUSED_DQ)
+                DOT_PRECISION, USE_TMA)
 
     dk = dk * softmax_scale
     if HAS_DROPOUT:
@@ -365,27 +347,3 @@ def attention_backward_dq(
     dq = dq * softmax_scale
     store_tile(dQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqm,
                dq, offs_m, offs_d, stride_dqm, seqlen_q - start_m, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def attention_backward_postprocess(
-    dQaccum,
-    softmax_scale, seqlen_q,
-    stride_dqab, stride_dqam, stride_dqah,
-    stride_dqb, stride_dqm, stride_dqh,
-    dQ,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dQ = softmax_scale * the fused kernel's fp32 sum, in dQ's dtype (row-wise, like
-    the preprocess: a packed varlen batch is one long sequence to it)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    head = tl.cast(tl.program_id(1), tl.int64)
-    batch = tl.cast(tl.program_id(2), tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row0 = tl.cast(start_m, tl.int64)
-    dq = load_tile(dQaccum + batch * stride_dqab + head * stride_dqah + row0 * stride_dqam,
-                   offs_m, offs_d, stride_dqam, seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
-    store_tile(dQ + batch * stride_dqb + head * stride_dqh + row0 * stride_dqm,
-               dq * softmax_scale, offs_m, offs_d, stride_dqm, seqlen_q - start_m, HEAD_DIM,
-               BLOCK_D)

@@ -45,11 +45,6 @@ _GPU_16BIT = {
     ("dkdv", 64): TileConfig(64, 64, 4, 2),
     ("dkdv", 128): TileConfig(64, 128, 8, 2),
     ("dkdv", 256): TileConfig(64, 64, 8, 2),
-    # The dK/dV kernel that also sums dQ (deterministic=False, sm_90 on: plan.fused_dq).
-    ("dkdv_dq", 16): TileConfig(64, 64, 4, 2, tma=True),
-    ("dkdv_dq", 32): TileConfig(64, 64, 4, 2, tma=True),
-    ("dkdv_dq", 64): TileConfig(64, 64, 4, 2, tma=True),
-    ("dkdv_dq", 128): TileConfig(64, 128, 8, 2, tma=True),
     ("dq", 16): TileConfig(128, 64, 8, 3),
     ("dq", 32): TileConfig(128, 64, 8, 3),
     ("dq", 64): TileConfig(128, 64, 8, 3),
@@ -130,12 +125,6 @@ def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     return short[(kernel, block_d, min(served))] if served else table[(kernel, block_d)]
 
 
-def has_entry(kernel: str, block_d: int, dtype: str) -> bool:
-    """Whether the GPU table has a config for this kernel and head dim (the fused
-    backward has entries only where it was measured to pay)."""
-    return (kernel, block_d) in tables(dtype)[0]
-
-
 def shared_memory_limit(capability: tuple[int, int]) -> int:
     """The most shared memory one program may take (bytes; CUDA's opt-in limit a block)."""
     if capability[0] >= 9 and capability[0] < 12:  # Hopper, datacenter Blackwell
@@ -154,14 +143,11 @@ def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_it
     dQ and stays below it for dK/dV."""
     held_rows, streamed_rows = {"forward": (cfg.block_m, 2 * cfg.block_n),
                                 "dq": (2 * cfg.block_m, 2 * cfg.block_n),
-                                "dkdv": (2 * cfg.block_n, 2 * cfg.block_m),
-                                "dkdv_dq": (2 * cfg.block_n, 2 * cfg.block_m)}.get(kernel, (0, 0))
+                                "dkdv": (2 * cfg.block_n, 2 * cfg.block_m)}.get(kernel, (0, 0))
     if held_rows == 0:
         return 0
     tile = cfg.block_m * cfg.block_n
     held = held_rows * block_d * item + (tile * 4 if bias_grad else 0)
-    if kernel == "dkdv_dq":  # the fp32 dQ tile on its way to the reduce-add
-        held += cfg.block_m * block_d * 4
     stages = max(1, cfg.num_stages)
     # (the bias tile of the block in use is read straight into registers)
     return held + stages * streamed_rows * block_d * item + max(1, stages - 1) * tile * bias_item
@@ -189,8 +175,7 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     if capability is not None and block_n:
         # A pipeline deeper than the loop only takes shared memory, and with it the second
         # program an SM could run: short sequences would pay for stages they never fill.
-        streamed, block = ((seqlen_q, block_m) if kernel.startswith("dkdv")
-                           else (seqlen_k, block_n))
+        streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
         num_stages = min(num_stages, max(2, -(-streamed // block)))
     cfg = TileConfig(block_m, block_n, num_warps, num_stages, base.tma)
     if capability is None:

@@ -1,4 +1,4 @@
-"""Fixes to Triton 3.6's interpreter so the CPU path computes what the GPU does.
+"""Two fixes to Triton 3.6's interpreter so the CPU path computes what the GPU does.
 
 Applied once, only when the kernels run interpreted (``TRITON_INTERPRET=1``). The
 interpreter keeps bf16 tensors as raw uint16 bit patterns:
@@ -7,10 +7,6 @@ interpreter keeps bf16 tensors as raw uint16 bit patterns:
   (triton#11584). We widen bf16 operands to fp32 first: exact, and what the tensor
   cores do (bf16 products are exact in fp32, accumulation in fp32).
 * fp32 -> bf16 casts truncated, where the GPU rounds to nearest even. We round.
-
-* A tensor descriptor's ``atomic_add`` (TMA's reduce, which the backward's fused dQ
-  uses) is missing from the interpreter. We add it for fp32: the interpreter runs a
-  grid's programs one after another, so a read-add-write is atomic there.
 
 Elementwise bf16 arithmetic and reductions are also wrong in the interpreter, which
 is why the kernels do all elementwise math in fp32 (as they should anyway).
@@ -70,16 +66,7 @@ def apply() -> None:
             return interp.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
-    def create_descriptor_reduce(self, kind, desc, value, indices):
-        if kind != interp._ir.DESCRIPTOR_REDUCE_KIND.ADD or value.dtype.scalar != tl.float32:
-            raise NotImplementedError("the interpreter's descriptor reduce is fp32 add only")
-        ptrs, mask = desc.materialize_pointers(indices)
-        old = self.create_masked_load(ptrs, mask, None, None, None, False)
-        total = interp.TensorHandle(old.data + value.data, value.dtype.scalar)
-        return self.create_masked_store(ptrs, total, mask, None, None)
-
     builder_cls.create_dot = create_dot
-    builder_cls.create_descriptor_reduce = create_descriptor_reduce
     builder_cls.cast_impl = cast_impl
     builder_cls.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     builder_cls.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)

@@ -107,8 +107,7 @@ def resources(compiled) -> tuple[int, int] | None:
 
 
 def variants(quick: bool):
-    """(name, problem, plan options) over head dims, dtypes and features: options go to
-    the forward plan, but ``deterministic`` (the split dQ kernel) to the backward's."""
+    """(name, problem, forward plan options) over head dims, dtypes and features."""
     head_dims = (64, 128) if quick else (32, 64, 96, 128, 256)
     dtypes = ("bfloat16",) if quick else ("bfloat16", "float16", "float32")
     for dtype in dtypes:
@@ -121,8 +120,6 @@ def variants(quick: bool):
             yield f"{dtype} D={head_dim}", check(shape, shape), {}
             yield f"{dtype} D={head_dim} S=1024", check(short, short), {}
             yield f"{dtype} D={head_dim} causal gqa", check(shape, gqa_kv, causal=True), {}
-            yield (f"{dtype} D={head_dim} deterministic", check(shape, gqa_kv, causal=True),
-                   dict(deterministic=True))
             yield (f"{dtype} D={head_dim} every option",
                    check(shape, gqa_kv, causal=True, window_size=(256, -1), softcap=30.0,
                          dropout_p=0.1, bias_shape=(2, 4, 4096, 4096), bias_dtype=dtype,
@@ -146,11 +143,9 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     limit = configs.shared_memory_limit(capability)
     failures = 0
     for name, problem, options in variants(quick):
-        backward_only = {k: v for k, v in options.items() if k == "deterministic"}
-        fwd = fa_plan.forward_plan(problem, capability=capability,
-                                   **{k: v for k, v in options.items() if k not in backward_only})
+        fwd = fa_plan.forward_plan(problem, capability=capability, **options)
         bwd = fa_plan.backward_plan(problem, capability=capability,
-                                    bias_grad=problem.bias_shape is not None, **backward_only,
+                                    bias_grad=problem.bias_shape is not None,
                                     **{k: v for k, v in options.items() if k == "tma"})
         dtypes = input_dtypes(problem, (fwd, bwd))
         for launch in (*fwd.launches, *bwd.launches):

@@ -25,7 +25,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from .configs import ITEMSIZE, has_entry, seqlen_bucket, tile_config
+from .configs import ITEMSIZE, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
@@ -173,14 +173,10 @@ class ForwardPlan:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """D (``preprocess``), then dK/dV (``dkdv``), then ``dq``: the dQ kernel, or with
-    ``fused_dq`` the postprocess that scales and casts the fp32 dQ sum the dK/dV
-    kernel made. Run ``launches`` in order."""
     problem: AttentionProblem
     preprocess: Launch
     dkdv: Launch
     dq: Launch
-    fused_dq: bool = False
 
     @property
     def launches(self) -> tuple[Launch, ...]:
@@ -266,8 +262,7 @@ def _check_alibi(alibi_shape, alibi_dtype, batch: int, heads_q: int) -> Shape:
     return shape
 
 
-def check_bool(name: str, value) -> bool:
-    """A bool option (numpy's bool too), or a TypeError naming it."""
+def _check_bool(name: str, value) -> bool:
     if not isinstance(value, bool) and type(value).__name__ != "bool_":
         raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
     return bool(value)
@@ -320,7 +315,7 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
         raise ValueError(
             f"heads_q ({heads_q}) must be a multiple of heads_k ({heads_k}) for GQA/MQA; "
             f"got q {q_shape}, k {k_shape}")
-    causal = check_bool("causal", causal)
+    causal = _check_bool("causal", causal)
     window_left, window_right = _window(window_size, causal)
     softcap = _real("softcap", softcap)
     if softcap < 0:
@@ -581,26 +576,13 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     return ForwardPlan(problem, launch, combine, num_splits, packed)
 
 
-def fused_dq(problem: AttentionProblem, capability: tuple[int, int] | None, *,
-             deterministic: bool, bias_grad: bool) -> bool:
-    """Whether the backward sums dQ in the dK/dV kernel (TMA reduce-add into fp32):
-    not when asked for determinism (the adds land in any order), nor for a bias
-    gradient (the dQ kernel writes it); from Hopper on, where the table has an entry
-    for the fused kernel; always in the interpreter (which mirrors the GPU's path)."""
-    if deterministic or bias_grad:
-        return False
-    if capability is None:
-        return True
-    return capability >= (9, 0) and has_entry("dkdv_dq", problem.block_d, problem.dtype)
-
-
 @functools.lru_cache(maxsize=4096)
 def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | None,
                   q_strides: Shape | None = None, k_strides: Shape | None = None,
                   v_strides: Shape | None = None, out_strides: Shape | None = None,
                   dout_strides: Shape | None = None, bias_strides: Shape | None = None,
                   bias_grad: bool = False, has_dlse: bool = True,
-                  deterministic: bool = False, tma: bool | None = None) -> BackwardPlan:
+                  tma: bool | None = None) -> BackwardPlan:
     """How to launch the backward: D = rowsum(dO * O) - dLSE, then dK/dV, then dQ.
 
     Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse (the LSE's
@@ -608,9 +590,6 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     the preprocess. ``has_dlse`` False: the LSE got no gradient (dlse is not read;
     the same D as a zero dlse, bit for bit). With ``bias_grad``, dq also writes
     ``dbias``, dense (B, Hq, Sq, Sk) fp32: sum it over ``problem.bias_reduce_axes``.
-    Unless ``deterministic``, and where there is no bias gradient and the device has
-    TMA's reduce-add (sm_90 on; the interpreter) and the table a ``dkdv_dq`` entry, the
-    dK/dV kernel also sums dQ (``fused_dq``): see ``fused_dq``.
     ``tma`` overrides the table's choice of tensor-descriptor loads for the blocks the
     dK/dV (Q, dO) and dQ (K, V) kernels stream.
     """
@@ -650,39 +629,18 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                     DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=aligned)
 
     bias_grad = bool(bias_grad and p.bias_shape is not None)
-    fused = fused_dq(p, capability, deterministic=deterministic, bias_grad=bias_grad)
-    kv = tile_config("dkdv_dq" if fused else "dkdv", p.block_d, p.dtype, p.seqlen_q,
-                     p.seqlen_k, capability, bias_item=p.bias_item)
-    if fused:  # fp32, rows of whole 16-byte units (a descriptor's stride), zeros to add to
-        accum_shape = (*p.q_shape[:-1], _cdiv(p.head_dim, 4) * 4)
-        accum = Output("dq_accum", accum_shape, "float32", zeroed=True)
-        accum_st = _bsh(contiguous_strides(accum_shape), p.varlen)
-    else:
-        accum, accum_st = Output("dq_accum", (1,), "float32"), (0, 0, 0)
+    kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
+                     bias_item=p.bias_item)
     dkdv = Launch(
         kernel="attention_backward_dkdv",
         grid=(_cdiv(p.seqlen_k, kv.block_n), p.heads_k, p.batch),
         inputs=BACKWARD_INPUTS,
-        scalars=(*common_scalars, *dkv_st, *dkv_st, *accum_st),
-        outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype), accum),
-        constexprs=constexprs(kv, USE_TMA=_use_tma(kv, tma, capability, p.dtype, q_st, do_st),
-                              FUSED_DQ=fused),
+        scalars=(*common_scalars, *dkv_st, *dkv_st),
+        outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
+        constexprs=constexprs(kv, USE_TMA=_use_tma(kv, tma, capability, p.dtype, q_st, do_st)),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
-    if fused:
-        rows, batch = (p.total_q, 1) if p.varlen else (p.seqlen_q, p.batch)
-        post = Launch(
-            kernel="attention_backward_postprocess",
-            grid=(_cdiv(rows, pre.block_m), p.heads_q, batch),
-            inputs=("dq_accum",),
-            scalars=(p.softmax_scale, rows, *accum_st, *dq_st),
-            outputs=(Output("dq", p.q_shape, p.dtype),),
-            constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=pre.block_m),
-            num_warps=pre.num_warps,
-            num_stages=pre.num_stages,
-        )
-        return BackwardPlan(problem, preprocess, dkdv, post, fused_dq=True)
     dbias = (Output("dbias", p.dbias_shape, "float32", zeroed=True) if bias_grad
              else Output("dbias", (1,), "float32"))
     dbias_st = contiguous_strides(p.dbias_shape)[:3] if bias_grad else (0, 0, 0)

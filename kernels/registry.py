@@ -9,7 +9,6 @@ if runtime.interpreting():
 from .backward import (  # noqa: E402
     attention_backward_dkdv,
     attention_backward_dq,
-    attention_backward_postprocess,
     attention_backward_preprocess,
 )
 from .dropout import dropout_mask  # noqa: E402
@@ -21,6 +20,5 @@ KERNELS = {
     "attention_backward_preprocess": attention_backward_preprocess,
     "attention_backward_dkdv": attention_backward_dkdv,
     "attention_backward_dq": attention_backward_dq,
-    "attention_backward_postprocess": attention_backward_postprocess,
     "dropout_mask": dropout_mask,
 }

@@ -43,27 +43,6 @@ def assert_close_to_reference(name, ours, truth, framework, dtype, factor=2.0):
         f"{dtype} error {framework_err:.3g} + {FLOOR[dtype]:.0e}")
 
 
-# One unit in the last place of each dtype's significand, relative.
-ULP = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23}
-
-
-def assert_same_gradients(got, expected, dtype, deterministic, names=("dq", "dk", "dv")):
-    """Gradients of two runs of the same kernels: bit for bit, except dQ of a backward
-    that may sum it with atomics (``deterministic=False`` on a GPU from sm_90 on), whose
-    fp32 adds land in any order: there, within two units in the last place of the
-    dtype (and a floor of 1e-6 of the largest value). The interpreter runs programs one
-    after another, so its sums come in one order: bitwise there too."""
-    for name, a, b in zip(names, got, expected):
-        a, b = a.detach().cpu(), b.detach().cpu()
-        if name == "dq" and not deterministic and ON_GPU:
-            a, b = a.double(), b.double()
-            bound = 2 * ULP[dtype] * b.abs() + 1e-6 * float(b.abs().max())
-            excess = float(((a - b).abs() - bound).max()) if b.numel() else 0.0
-            assert excess <= 0, f"{name} differs by more than its summation order explains"
-        else:
-            assert torch.equal(a, b), f"{name} differs"
-
-
 def reference_grads(q, k, v, dout, causal, softmax_scale, compute_dtype, bias=None, **options):
     """Reference (out, lse, [dq, dk, dv] (+ [dbias] with a bias)) by autograd."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from .common import (DEVICE, ON_GPU, assert_same_gradients, check_against_reference,
-                     check_with_every_option, keep_mask, random_qkv, run_jax, run_torch)
+from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
+                     keep_mask, random_qkv, run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 
@@ -96,7 +96,8 @@ def test_dropout_outputs_equal_across_frameworks(dtype):
     t_out, t_lse, t_grads = run_torch(q, k, v, dout, **options)
     j_out, j_lse, j_grads = run_jax(q, k, v, dout, **options)
     assert torch.equal(t_out.cpu(), j_out) and torch.equal(t_lse.cpu(), j_lse)
-    assert_same_gradients(t_grads, j_grads, dtype, deterministic=False)
+    for a, b in zip(t_grads, j_grads):
+        assert torch.equal(a.cpu(), b)
 
 
 def test_torch_seed_from_generator():

@@ -45,52 +45,12 @@ def test_forward_grid_and_strides(capability):
 
 def test_backward_plan_grids():
     p = problem()
-    bwd = plan.backward_plan(p, capability=(9, 0), deterministic=True)
+    bwd = plan.backward_plan(p, capability=(9, 0))
     block_n = bwd.dkdv.constexprs["BLOCK_N"]
     assert bwd.dkdv.grid == (-(-300 // block_n), 2, 2)  # one program per key block and K/V head
     assert bwd.dq.grid[1:] == (8, 2)
-    assert [o.name for o in bwd.dkdv.outputs] == ["dk", "dv", "dq_accum"]
-    assert bwd.dkdv.outputs[2].shape == (1,) and not bwd.dkdv.constexprs["FUSED_DQ"]
+    assert [o.name for o in bwd.dkdv.outputs] == ["dk", "dv"]
     assert bwd.preprocess.outputs[0].shape == (2, 8, 100)
-
-
-def test_fused_dq_plan():
-    # D = 72 (block_d 128) bf16 on the H200: the dK/dV kernel sums dQ into a zeroed fp32
-    # array (rows padded to whole 16-byte units); the postprocess scales and casts it.
-    p = problem()
-    bwd = plan.backward_plan(p, capability=(9, 0))
-    assert bwd.fused_dq and bwd.dkdv.constexprs["FUSED_DQ"]
-    assert [launch.kernel for launch in bwd.launches] == [
-        "attention_backward_preprocess", "attention_backward_dkdv",
-        "attention_backward_postprocess"]
-    accum = bwd.dkdv.outputs[2]
-    assert (accum.name, accum.shape, accum.dtype, accum.zeroed) == (
-        "dq_accum", (2, 100, 8, 72), "float32", True)
-    assert bwd.dkdv.scalars[-3:] == (100 * 8 * 72, 8 * 72, 72)  # its (batch, seq, head) strides
-    assert bwd.dq.inputs == ("dq_accum",) and bwd.dq.grid[1:] == (8, 2)
-    assert [(o.name, o.shape, o.dtype) for o in bwd.dq.outputs] == [("dq", p.q_shape, p.dtype)]
-    odd = problem(q_shape=(2, 100, 8, 30), k_shape=(2, 300, 2, 30), v_shape=(2, 300, 2, 30))
-    assert plan.backward_plan(odd, capability=(9, 0)).dkdv.outputs[2].shape == (2, 100, 8, 32)
-    varlen = plan.check_problem((50, 8, 64), (70, 2, 64), (70, 2, 64), "bfloat16", "bfloat16",
-                                "bfloat16", varlen=dict(
-                                    cu_seqlens_q_shape=(3,), cu_seqlens_k_shape=(3,),
-                                    cu_seqlens_q_dtype="int32", cu_seqlens_k_dtype="int32",
-                                    max_seqlen_q=30, max_seqlen_k=40))
-    post = plan.backward_plan(varlen, capability=(9, 0)).dq
-    assert post.grid[1:] == (8, 1) and post.scalars[1] == 50  # rows of the packed batch
-
-
-def test_fused_dq_only_where_it_applies():
-    def fused(p=None, capability=(9, 0), **options):
-        return plan.backward_plan(p or problem(), capability=capability, **options).fused_dq
-
-    assert fused() and fused(capability=None)  # the interpreter mirrors the H200
-    assert not fused(deterministic=True)  # atomics add in any order
-    assert not fused(capability=(8, 0))  # no TMA reduce before Hopper
-    assert fused(problem(bias_shape=(8, 100, 300), bias_dtype="float16"))
-    assert not fused(problem(bias_shape=(8, 100, 300), bias_dtype="float16"), bias_grad=True)
-    fp32 = problem(q_dtype="float32", k_dtype="float32", v_dtype="float32")
-    assert not fused(fp32) and fused(fp32, capability=None)  # only where the table has it
 
 
 def test_empty_launch():

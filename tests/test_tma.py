@@ -11,9 +11,8 @@ import torch
 from fa_kernels import configs, launcher
 from fa_kernels import plan as fa_plan
 
-from .common import (DEVICE, ON_GPU, assert_same_gradients, check_against_reference,
-                     check_with_every_option, forward_plan_jax, forward_plan_torch, random_qkv,
-                     run_jax, run_torch)
+from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
+                     forward_plan_jax, forward_plan_torch, random_qkv, run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
@@ -28,7 +27,7 @@ def descriptor_table(monkeypatch):
         for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_SHORT,
                       configs._GPU_16BIT_FEW_ROWS):
             for key, cfg in list(table.items()):
-                if key[0] in ("forward", "dkdv", "dq", "dkdv_dq"):
+                if key[0] in ("forward", "dkdv", "dq"):
                     monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
     else:
         monkeypatch.setattr(configs, "_INTERPRETER", dataclasses.replace(configs._INTERPRETER,
@@ -59,13 +58,10 @@ def test_descriptor_forward_against_reference(descriptor_table, front, case):
     problem = fa_plan.check_problem(q_shape, kv_shape, kv_shape, dtype, dtype, dtype,
                                     causal=causal, **options)
     assert fa_plan.forward_plan(problem, capability=CAPABILITY).launch.constexprs["USE_TMA"]
-    # Half the cases take the split backward (its dQ kernel streams K/V), half the fused.
-    deterministic = case in ("window", "fp32")
-    bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, deterministic=deterministic)
-    assert bwd.dkdv.constexprs["USE_TMA"]
-    assert bwd.dq.constexprs["USE_TMA"] if deterministic else bwd.fused_dq
+    bwd = fa_plan.backward_plan(problem, capability=CAPABILITY)
+    assert bwd.dkdv.constexprs["USE_TMA"] and bwd.dq.constexprs["USE_TMA"]
     check_against_reference(RUNNERS[front], batch, seqlen_q, seqlen_k, heads_q, heads_k,
-                            head_dim, dtype, causal, deterministic=deterministic, **options)
+                            head_dim, dtype, causal, **options)
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
@@ -103,8 +99,7 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
-def test_descriptor_backward_gives_the_same_bits(causal, deterministic):
+def test_descriptor_backward_gives_the_same_bits(causal):
     from fa_torch import _launch
 
     seqlen = 700 if ON_GPU else 90
@@ -116,17 +111,14 @@ def test_descriptor_backward_gives_the_same_bits(causal, deterministic):
                               _arrays(q, k, v))
     grads = {}
     for flag in (False, True):
-        bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, tma=flag, has_dlse=False,
-                                    deterministic=deterministic)
-        assert bwd.fused_dq != deterministic
-        assert bwd.dkdv.constexprs["USE_TMA"] == flag
-        if deterministic:  # (else dq is the postprocess, which streams nothing)
-            assert bwd.dq.constexprs["USE_TMA"] == flag
+        bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, tma=flag, has_dlse=False)
+        assert bwd.dkdv.constexprs["USE_TMA"] == flag == bwd.dq.constexprs["USE_TMA"]
         arrays = dict(_arrays(q, k, v), out=out, lse=lse, dout=dout)
         for launch in bwd.launches:
             _launch.run(launch, arrays, DEVICE)
         grads[flag] = [arrays[name] for name in ("dq", "dk", "dv")]
-    assert_same_gradients(grads[True], grads[False], "bfloat16", deterministic)
+    for plain, tma in zip(grads[False], grads[True]):
+        assert torch.equal(plain, tma)
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")

@@ -4,8 +4,7 @@ import torch
 
 import fa_torch
 
-from .common import (DEVICE, assert_close_to_reference, assert_same_gradients, random_qkv,
-                     reference_grads)
+from .common import DEVICE, assert_close_to_reference, random_qkv, reference_grads
 from .reference import attention_reference
 
 
@@ -72,8 +71,8 @@ def test_torch_compile_fullgraph():
     compiled(*leaves).backward()
     eager = [x.clone().requires_grad_() for x in (q, k, v)]
     layer(*eager).backward()
-    assert_same_gradients([x.grad for x in leaves], [x.grad for x in eager], "float16",
-                          deterministic=False)
+    for a, b in zip(leaves, eager):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_bf16_matches_reference_rule_for_large_values():
@@ -123,9 +122,8 @@ def test_eager_path_and_custom_op_agree():
             assert any("fa_torch.attention_forward" in name for name in mode.ops)
             assert any("fa_torch.attention_backward" in name for name in mode.ops)
         results.append([out, lse] + [x.grad for x in leaves])
-    for a, b in zip(results[0][:2], results[1][:2]):
+    for a, b in zip(*results):
         assert torch.equal(a, b)
-    assert_same_gradients(results[0][2:], results[1][2:], "bfloat16", deterministic=False)
     assert ops._eager([q, k, v]) and not ops._eager([q.as_subclass(torch.nn.Parameter)])
 
 
