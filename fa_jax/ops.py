@@ -334,6 +334,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     seqlen_q)`` fp32, natural log, -inf for a row with no key; differentiable). The
     backward never uses atomics: it is always deterministic.
     """
+    fa_plan.check_bool("deterministic", deterministic)
     return _call(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                  bias=bias, alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                  dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse)
@@ -348,6 +349,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     ``(total_k, heads_k, head_dim)``, int32 ``cu_seqlens`` of shape (batch + 1,).
     ``max_seqlen_*`` are static Python ints that bound the lengths. Concrete cu_seqlens
     are checked; traced ones are trusted. lse is ``(heads_q, total_q)``."""
+    fa_plan.check_bool("deterministic", deterministic)
     return _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                  softmax_scale=softmax_scale, bias=bias, alibi_slopes=alibi_slopes,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p,

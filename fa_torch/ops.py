@@ -367,6 +367,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse``.
     """
+    fa_plan.check_bool("deterministic", deterministic)
     return _attention(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                       bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
                       softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -388,6 +389,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     cu_seqlens on the CPU are checked (start 0, non-decreasing, end = total); on the GPU
     they are trusted (checking would need a device sync). ``bias`` is not supported.
     """
+    fa_plan.check_bool("deterministic", deterministic)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       causal=causal, softmax_scale=softmax_scale, bias=bias,
                       alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,

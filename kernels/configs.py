@@ -34,6 +34,10 @@ class TileConfig:
 # benchmarks/NOTES.md). Head dims under 64 take the 64 entries. The D = 64 and 128 forward
 # entries read K/V through tensor descriptors (fourth session: 1.083 / 0.633 ms against
 # 1.196 / 0.684 for (128, 64, 8, 4) at D = 128; 1.327 / 0.734 against 1.356 / 0.739 at 64).
+# So do the dK/dV entries at D = 64 and 128 (Q/dO) and dQ at 128 (K/V), from
+# `tune.py --kernels dkdv,dq --head-dims 128,64` (fifth session; NOTES 16): dK/dV D = 128
+# 2.294 / 1.194 ms against 2.327 / 1.305 for (64, 128, 8, 2), D = 64 2.415 / 1.308
+# against 2.653 / 1.423 for (64, 64, 4, 2); dQ D = 128 1.335 / 0.749 against 1.416 / 0.785.
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
@@ -42,13 +46,13 @@ _GPU_16BIT = {
     ("forward", 256): TileConfig(128, 64, 8, 2),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
-    ("dkdv", 64): TileConfig(64, 64, 4, 2),
-    ("dkdv", 128): TileConfig(64, 128, 8, 2),
+    ("dkdv", 64): TileConfig(64, 64, 4, 3, tma=True),
+    ("dkdv", 128): TileConfig(32, 64, 4, 2, tma=True),
     ("dkdv", 256): TileConfig(64, 64, 8, 2),
     ("dq", 16): TileConfig(128, 64, 8, 3),
     ("dq", 32): TileConfig(128, 64, 8, 3),
     ("dq", 64): TileConfig(128, 64, 8, 3),
-    ("dq", 128): TileConfig(128, 64, 8, 3),
+    ("dq", 128): TileConfig(128, 64, 8, 3, tma=True),
     ("dq", 256): TileConfig(128, 32, 8, 3),
     ("preprocess", 0): TileConfig(128, 0, 4, 1),
 }

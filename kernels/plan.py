@@ -262,7 +262,8 @@ def _check_alibi(alibi_shape, alibi_dtype, batch: int, heads_q: int) -> Shape:
     return shape
 
 
-def _check_bool(name: str, value) -> bool:
+def check_bool(name: str, value) -> bool:
+    """A bool option (numpy's bool too), or a TypeError naming it."""
     if not isinstance(value, bool) and type(value).__name__ != "bool_":
         raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
     return bool(value)
@@ -315,7 +316,7 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
         raise ValueError(
             f"heads_q ({heads_q}) must be a multiple of heads_k ({heads_k}) for GQA/MQA; "
             f"got q {q_shape}, k {k_shape}")
-    causal = _check_bool("causal", causal)
+    causal = check_bool("causal", causal)
     window_left, window_right = _window(window_size, causal)
     softcap = _real("softcap", softcap)
     if softcap < 0:

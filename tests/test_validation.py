@@ -105,6 +105,8 @@ OPTION_CASES = [
     ("bias dtype", {"bias": "bias_int"}, TypeError, r"bias has dtype int32"),
     ("alibi shape", {"alibi_slopes": "alibi_bad"}, ValueError, r"alibi_slopes must have shape \(heads_q,\)"),
     ("alibi dtype", {"alibi_slopes": "alibi_half"}, TypeError, r"alibi_slopes must be float32"),
+    ("deterministic type", {"deterministic": "yes"}, TypeError,
+     r"deterministic must be a bool; got str"),
 ]
 
 
