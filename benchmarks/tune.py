@@ -354,6 +354,11 @@ def main(argv=None):
                 results.append(dict(kernel=kernel, head_dim=head_dim, dtype=dtype,
                                     seqlen=args.seqlen, config=list(key[4]), ms=ms[False],
                                     ms_causal=ms[True], ok=ok))
+                # As it goes (stderr, and the JSON so far): a run cut by a time limit, or
+                # stuck in one candidate, still tells what it measured and where it stopped.
+                print(f"  {kernel} D={head_dim} {entry(cfg)}: {ms[False]:.3f} / {ms[True]:.3f} ms"
+                      + ("" if ok else " WRONG"), file=sys.stderr, flush=True)
+                save(args.out, results, failed)
             good = sorted((t for t in timed if t[3]), key=lambda t: t[0])
             now = next((t for t in timed if t[1] == serving), None)
             if not good:
@@ -366,11 +371,16 @@ def main(argv=None):
                        if now else ""))
             lines.append(f"{line}  # {note}")
             print(lines[-1], flush=True)
-    with open(os.path.join(args.out, "tune.json"), "w") as fh:
-        json.dump(dict(results=results, failed=[list(map(str, k)) + [v] for k, v in failed.items()]),
-                  fh, indent=1)
+    save(args.out, results, failed)
     print("\n".join(lines), flush=True)
     return lines
+
+
+def save(out: str, results: list, failed: dict) -> None:
+    """Every timing so far, and the candidates the compiler rejected, to OUT/tune.json."""
+    with open(os.path.join(out, "tune.json"), "w") as fh:
+        json.dump(dict(results=results, failed=[list(map(str, k)) + [v] for k, v in failed.items()]),
+                  fh, indent=1)
 
 
 if __name__ == "__main__":
