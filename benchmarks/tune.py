@@ -143,9 +143,15 @@ def _compile(task):
     integer arguments specialise the same way (multiples of 16)."""
     kernel, head_dim, dtype, seqlen, cfg = task
     put(slot(kernel, head_dim, dtype, seqlen), configs.TileConfig(*cfg))
-    # Long enough that the pipeline-depth cap leaves every candidate's stages alone.
-    shape = (1, min(512, seqlen), 2, head_dim)
+    # Long enough that the pipeline-depth cap leaves every candidate's stages alone, and
+    # served by the slot being tuned: a main-table candidate compiled at a short length
+    # would compile the short-sequence entry instead, and the timing process would then
+    # compile every candidate itself, one after another (it did, for dK/dV at D = 128).
+    seq = seqlen if seqlen < LONG else LONG // 2
+    shape = (1, seq, 2, head_dim)
     try:
+        if configs.table_entry(kernel, head_dim, dtype, seq, seq) != configs.TileConfig(*cfg):
+            raise RuntimeError(f"seqlen {seq} is not served by the slot being tuned")
         for causal in (False, True):
             p = plan.check_problem(shape, shape, shape, dtype, dtype, dtype, causal=causal)
             capability = torch.cuda.get_device_capability()
