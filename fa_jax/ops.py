@@ -284,7 +284,8 @@ def dropout_seed_array(dropout_seed):
 
 def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
           softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-          return_lse):
+          return_lse, deterministic):
+    fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     named = {"q": q, "k": k, "v": v}
     for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
                     ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -334,10 +335,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     seqlen_q)`` fp32, natural log, -inf for a row with no key; differentiable). The
     backward never uses atomics: it is always deterministic.
     """
-    fa_plan.check_bool("deterministic", deterministic)
     return _call(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                  bias=bias, alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                 dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse)
+                 dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
+                 deterministic=deterministic)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -349,11 +350,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     ``(total_k, heads_k, head_dim)``, int32 ``cu_seqlens`` of shape (batch + 1,).
     ``max_seqlen_*`` are static Python ints that bound the lengths. Concrete cu_seqlens
     are checked; traced ones are trusted. lse is ``(heads_q, total_q)``."""
-    fa_plan.check_bool("deterministic", deterministic)
     return _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                  softmax_scale=softmax_scale, bias=bias, alibi_slopes=alibi_slopes,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p,
-                 dropout_seed=dropout_seed, return_lse=return_lse)
+                 dropout_seed=dropout_seed, return_lse=return_lse, deterministic=deterministic)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

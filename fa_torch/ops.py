@@ -322,7 +322,8 @@ def _autocast(q, k, v):
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
                softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-               return_lse):
+               return_lse, deterministic=False):
+    fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     q, k, v = _autocast(q, k, v)
     problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, causal, softmax_scale, window_size, softcap, dropout_p)
@@ -367,11 +368,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse``.
     """
-    fa_plan.check_bool("deterministic", deterministic)
     return _attention(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                       bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
                       softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                      return_lse=return_lse)
+                      return_lse=return_lse, deterministic=deterministic)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -389,11 +389,11 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     cu_seqlens on the CPU are checked (start 0, non-decreasing, end = total); on the GPU
     they are trusted (checking would need a device sync). ``bias`` is not supported.
     """
-    fa_plan.check_bool("deterministic", deterministic)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       causal=causal, softmax_scale=softmax_scale, bias=bias,
                       alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                      dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse)
+                      dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
+                      deterministic=deterministic)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
