@@ -41,7 +41,6 @@ from fa_kernels import configs, plan  # noqa: E402
 from fa_torch import _launch  # noqa: E402
 
 KERNELS = ("forward", "dkdv", "dq")
-LAUNCH_OF = {"forward": "launch", "dkdv": "dkdv", "dq": "dq"}
 CHECKED = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq",)}
 
 
@@ -360,11 +359,11 @@ def main(argv=None):
                 results.append(dict(kernel=kernel, head_dim=head_dim, dtype=dtype,
                                     seqlen=args.seqlen, config=list(key[4]), ms=ms[False],
                                     ms_causal=ms[True], ok=ok))
-                # As it goes (stderr, and the JSON so far): a run cut by a time limit, or
-                # stuck in one candidate, still tells what it measured and where it stopped.
+                # As it goes: a run cut by a time limit, or stuck in one candidate, still
+                # tells what it measured and where it stopped.
                 print(f"  {kernel} D={head_dim} {entry(cfg)}: {ms[False]:.3f} / {ms[True]:.3f} ms"
                       + ("" if ok else " WRONG"), file=sys.stderr, flush=True)
-                save(args.out, results, failed)
+            save(args.out, results, failed)  # (and the JSON after each kernel and head dim)
             good = sorted((t for t in timed if t[3]), key=lambda t: t[0])
             now = next((t for t in timed if t[1] == serving), None)
             if not good:
@@ -377,7 +376,6 @@ def main(argv=None):
                        if now else ""))
             lines.append(f"{line}  # {note}")
             print(lines[-1], flush=True)
-    save(args.out, results, failed)
     print("\n".join(lines), flush=True)
     return lines
 
