@@ -93,7 +93,7 @@ def test_tiles_fit_shared_memory(capability, dtype):
     from fa_kernels import configs
 
     limit = configs.shared_memory_limit(capability)
-    item = 4 if dtype == "float32" else 2
+    item = configs.ITEMSIZE[dtype]
     for kernel in ("forward", "dkdv", "dq"):
         for block_d in (16, 32, 64, 128, 256):
             for bias_item, bias_grad in ((0, False), (2, False), (4, True)):
