@@ -55,7 +55,7 @@ def candidates(kernel: str, head_dim: int, dtype: str, capability):
     if kernel == "forward":
         blocks_m, blocks_n = (64, 128), (32, 64, 128)
     elif kernel == "dkdv":  # block_m: queries streamed, block_n: keys held
-        blocks_m, blocks_n = (16, 32, 64), (64, 128)
+        blocks_m, blocks_n = (16, 32, 64), ((32, 64, 128) if head_dim >= 256 else (64, 128))
     else:  # dq: block_m queries held, block_n keys streamed
         blocks_m, blocks_n = (64, 128), (16, 32, 64)
     out = []

@@ -591,8 +591,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     the preprocess. ``has_dlse`` False: the LSE got no gradient (dlse is not read;
     the same D as a zero dlse, bit for bit). With ``bias_grad``, dq also writes
     ``dbias``, dense (B, Hq, Sq, Sk) fp32: sum it over ``problem.bias_reduce_axes``.
-    ``tma`` overrides the table's choice of tensor-descriptor loads for the blocks the
-    dK/dV (Q, dO) and dQ (K, V) kernels stream.
+    ``tma`` overrides the table's choice of tensor-descriptor loads (for the blocks the
+    dK/dV and dQ kernels hold as well as those they stream: Q, K, V and dO).
     """
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
@@ -638,7 +638,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dkv_st, *dkv_st),
         outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
-        constexprs=constexprs(kv, USE_TMA=_use_tma(kv, tma, capability, p.dtype, q_st, do_st)),
+        constexprs=constexprs(kv, USE_TMA=_use_tma(kv, tma, capability, p.dtype, q_st, k_st,
+                                                   v_st, do_st)),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
@@ -654,7 +655,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         scalars=(*common_scalars, *dq_st, *dbias_st),
         outputs=(Output("dq", p.q_shape, p.dtype), dbias),
         constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
-                              USE_TMA=_use_tma(qc, tma, capability, p.dtype, k_st, v_st)),
+                              USE_TMA=_use_tma(qc, tma, capability, p.dtype, q_st, k_st,
+                                               v_st, do_st)),
         num_warps=qc.num_warps,
         num_stages=qc.num_stages,
     )
