@@ -10,7 +10,7 @@ the timing process), so a sweep of a few hundred configs fits in minutes.
 
     python benchmarks/tune.py [--head-dims 64,128,256] [--dtype bfloat16]
                               [--kernels forward,dkdv,dq] [--seqlen 4096] [--workers 16]
-                              [--out DIR]
+                              [--out DIR] [--tma-only]
 
 ``--seqlen`` below 4096 tunes the short-sequence entries (``_GPU_16BIT_SHORT``: keyed
 by the seqlen bucket they serve up to) instead of the main table. ``--decode [--write]``
@@ -298,6 +298,9 @@ def main(argv=None):
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    parser.add_argument("--tma-only", action="store_true",
+                        help="time only candidates that read through tensor descriptors "
+                             "(and the entry serving now), when only that path changed")
     parser.add_argument("--decode", action="store_true",
                         help="tune the forward for few query rows (decode) instead")
     parser.add_argument("--write", action="store_true",
@@ -309,9 +312,15 @@ def main(argv=None):
     head_dims = [int(d) for d in args.head_dims.split(",")]
     capability = torch.cuda.get_device_capability()
 
+    def chosen(kernel, head_dim):
+        found = candidates(kernel, head_dim, dtype, capability)
+        if not args.tma_only:
+            return found
+        serving = configs.table_entry(kernel, head_dim, dtype, args.seqlen, args.seqlen)
+        return [c for c in found if c.tma] + ([] if serving.tma else [serving])
+
     tasks = [(kernel, d, dtype, args.seqlen, dataclasses.astuple(c))
-             for d in head_dims for kernel in kernels
-             for c in candidates(kernel, d, dtype, capability)]
+             for d in head_dims for kernel in kernels for c in chosen(kernel, d)]
     start = time.time()
     failed = {}
     with futures.ProcessPoolExecutor(args.workers,
@@ -336,7 +345,7 @@ def main(argv=None):
                                   torch.device("cuda"))
                 baseline[c] = {n: out[n].clone() for n in CHECKED[kernel]}
             timed = []
-            for cfg in candidates(kernel, head_dim, dtype, capability):
+            for cfg in chosen(kernel, head_dim):
                 key = (kernel, head_dim, dtype, args.seqlen, dataclasses.astuple(cfg))
                 if key in failed:
                     continue
