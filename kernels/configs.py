@@ -38,6 +38,11 @@ class TileConfig:
 # `tune.py --kernels dkdv,dq --head-dims 128,64` (fifth session; NOTES 16): dK/dV D = 128
 # 2.294 / 1.194 ms against 2.327 / 1.305 for (64, 128, 8, 2), D = 64 2.415 / 1.308
 # against 2.653 / 1.423 for (64, 64, 4, 2); dQ D = 128 1.335 / 0.749 against 1.416 / 0.785.
+# With descriptors the blocks a program holds (K/V in dK/dV, Q/dO in dQ) stay in shared
+# memory too, `tune.py --tma-only --kernels dkdv,dq --head-dims 128,256,64` (sixth
+# session; NOTES 17): dK/dV D = 128 (64, 64, 4, 2) 1.972 / 1.266 ms against 2.245 / 1.254,
+# D = 256 3.737 / 2.473 against 4.716 / 3.418 (pointer loads), D = 64 2.517 / 1.371
+# against 2.545 / 1.436; dQ D = 256 1.331 / 0.859 against 1.473 / 0.855.
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
@@ -46,14 +51,14 @@ _GPU_16BIT = {
     ("forward", 256): TileConfig(128, 64, 8, 2),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
-    ("dkdv", 64): TileConfig(64, 64, 4, 3, tma=True),
-    ("dkdv", 128): TileConfig(32, 64, 4, 2, tma=True),
-    ("dkdv", 256): TileConfig(64, 64, 8, 2),
+    ("dkdv", 64): TileConfig(32, 64, 4, 3, tma=True),
+    ("dkdv", 128): TileConfig(64, 64, 4, 2, tma=True),
+    ("dkdv", 256): TileConfig(64, 64, 8, 2, tma=True),
     ("dq", 16): TileConfig(128, 64, 8, 3),
     ("dq", 32): TileConfig(128, 64, 8, 3),
     ("dq", 64): TileConfig(128, 64, 8, 3),
     ("dq", 128): TileConfig(128, 64, 8, 3, tma=True),
-    ("dq", 256): TileConfig(128, 32, 8, 3),
+    ("dq", 256): TileConfig(128, 32, 8, 3, tma=True),
     ("preprocess", 0): TileConfig(128, 0, 4, 1),
 }
 
@@ -76,6 +81,17 @@ _GPU_32BIT = {
     ("dq", 256): TileConfig(32, 16, 4, 1),
     ("preprocess", 0): TileConfig(64, 0, 4, 1),
 }
+
+# Causal problems at the main table's lengths, where a causal tune's winner beats the
+# main entry's causal time by more than a few percent (half the tiles are diagonal there,
+# and a tile that masks fewer keys a step pays back its smaller matmuls). Same keys as the
+# main table; `tune.py` prints these lines.
+_GPU_16BIT_CAUSAL = {
+    # tune.py --tma-only --kernels dkdv (H200, 2026-12-03): 1.169 ms against the main
+    # entry's 1.266 (non-causal 2.773 against 1.972).
+    ("dkdv", 128): TileConfig(32, 64, 4, 3, tma=True),
+}
+_GPU_32BIT_CAUSAL: dict = {}
 
 # Short sequences: entries keyed (kernel, block_d, bucket) serve problems whose longer
 # sequence falls in a bucket up to that one (the smallest such entry wins), chosen by
@@ -116,8 +132,15 @@ def tables(dtype: str) -> tuple[dict, dict]:
     return _GPU_16BIT, _GPU_16BIT_SHORT
 
 
-def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int) -> TileConfig:
-    """The GPU table's config before it is fitted to the sequence lengths."""
+def causal_table(dtype: str) -> dict:
+    """The causal entries that take precedence over the main table for a dtype."""
+    return _GPU_32BIT_CAUSAL if dtype == "float32" else _GPU_16BIT_CAUSAL
+
+
+def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
+                causal: bool = False) -> TileConfig:
+    """The GPU table's config before it is fitted to the sequence lengths: few-rows,
+    then short-sequence, then causal entries before the main table."""
     table, short = tables(dtype)
     block_d = 0 if kernel == "preprocess" else block_d
     if dtype != "float32" and seqlen_bucket(seqlen_q) <= FEW_ROWS:
@@ -126,7 +149,11 @@ def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
             return entry
     bucket = seqlen_bucket(max(seqlen_q, seqlen_k))
     served = [b for (k, d, b) in short if k == kernel and d == block_d and b >= bucket]
-    return short[(kernel, block_d, min(served))] if served else table[(kernel, block_d)]
+    if served:
+        return short[(kernel, block_d, min(served))]
+    if causal and (kernel, block_d) in causal_table(dtype):
+        return causal_table(dtype)[(kernel, block_d)]
+    return table[(kernel, block_d)]
 
 
 def shared_memory_limit(capability: tuple[int, int]) -> int:
@@ -159,7 +186,7 @@ def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_it
 
 def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
                 capability: tuple[int, int] | None, bias_item: int = 0,
-                bias_grad: bool = False) -> TileConfig:
+                bias_grad: bool = False, causal: bool = False) -> TileConfig:
     """The config of one kernel; ``capability`` None means the CPU interpreter.
 
     On a GPU the tile then fits the device's shared memory: a bias (``bias_item`` bytes
@@ -169,7 +196,7 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     if capability is None:
         base = _INTERPRETER
     else:
-        base = table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k)
+        base = table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k, causal)
     block_m = min(base.block_m, seqlen_bucket(seqlen_q))
     block_n = min(base.block_n, seqlen_bucket(seqlen_k)) if base.block_n else 0
     num_warps = base.num_warps

@@ -1,4 +1,6 @@
 """The launch plan alone: pure Python, no kernel runs."""
+import itertools
+
 import pytest
 
 from fa_kernels import plan
@@ -96,9 +98,10 @@ def test_tiles_fit_shared_memory(capability, dtype):
     item = configs.ITEMSIZE[dtype]
     for kernel in ("forward", "dkdv", "dq"):
         for block_d in (16, 32, 64, 128, 256):
-            for bias_item, bias_grad in ((0, False), (2, False), (4, True)):
+            for (bias_item, bias_grad), causal in itertools.product(
+                    ((0, False), (2, False), (4, True)), (False, True)):
                 cfg = tile_config(kernel, block_d, dtype, 4096, 4096, capability,
-                                  bias_item=bias_item, bias_grad=bias_grad)
+                                  bias_item=bias_item, bias_grad=bias_grad, causal=causal)
                 assert configs.shared_memory(kernel, cfg, block_d, item, bias_item,
                                              bias_grad) <= limit, (kernel, block_d, cfg)
 
@@ -214,6 +217,31 @@ def test_short_sequence_entries():
         assert (longer.block_m, longer.block_n) == (main.block_m, main.block_n)
     assert configs.table_entry("forward", 128, "bfloat16", 64, 8192) == \
         configs.tables("bfloat16")[0][("forward", 128)]
+
+
+def test_causal_entries():
+    # A causal entry serves causal problems of the main table's lengths, and the plan
+    # launches with it; non-causal problems and short sequences keep their entries.
+    from fa_kernels import configs
+
+    assert configs.causal_table("bfloat16"), "no causal entry to test"
+    for (kernel, block_d), cfg in configs.causal_table("bfloat16").items():
+        main = configs.tables("bfloat16")[0][(kernel, block_d)]
+        assert cfg != main
+        assert configs.table_entry(kernel, block_d, "bfloat16", 4096, 4096, True) == cfg
+        assert configs.table_entry(kernel, block_d, "bfloat16", 4096, 4096, False) == main
+        short = configs.table_entry(kernel, block_d, "bfloat16", 512, 512, False)
+        assert configs.table_entry(kernel, block_d, "bfloat16", 512, 512, True) == short
+        shape = (1, 4096, 2, block_d)
+        for causal, want in ((True, cfg), (False, main)):
+            p = plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16",
+                                   causal=causal)
+            launches = ({"forward": plan.forward_plan(p, capability=(9, 0)).launch}
+                        if kernel == "forward" else vars(plan.backward_plan(p, capability=(9, 0))))
+            launch = launches[kernel]
+            assert (launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"],
+                    launch.num_warps, launch.num_stages) == (
+                        want.block_m, want.block_n, want.num_warps, want.num_stages)
 
 
 def test_few_rows_entries(monkeypatch):
