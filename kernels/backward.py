@@ -145,6 +145,8 @@ def attention_backward_dkdv(
     batch = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
                                                            seqlen_q, seqlen_k, IS_VARLEN)
+    if start_n >= seqlen_k:  # past this sequence's keys (varlen): no row of dK, dV to write,
+        return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)
     head_k64 = tl.cast(head_k, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -299,6 +301,8 @@ def attention_backward_dq(
     head_k = tl.cast(head // GROUP_SIZE, tl.int64)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
                                                            seqlen_q, seqlen_k, IS_VARLEN)
+    if start_m >= seqlen_q:  # past this sequence's queries (varlen): no row of dQ to write,
+        return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)
     head64 = tl.cast(head, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)

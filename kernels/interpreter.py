@@ -1,4 +1,4 @@
-"""Two fixes to Triton 3.6's interpreter so the CPU path computes what the GPU does.
+"""Three fixes to Triton 3.6's interpreter so the CPU path computes (and fails) as the GPU does.
 
 Applied once, only when the kernels run interpreted (``TRITON_INTERPRET=1``). The
 interpreter keeps bf16 tensors as raw uint16 bit patterns:
@@ -7,6 +7,10 @@ interpreter keeps bf16 tensors as raw uint16 bit patterns:
   (triton#11584). We widen bf16 operands to fp32 first: exact, and what the tensor
   cores do (bf16 products are exact in fp32, accumulation in fp32).
 * fp32 -> bf16 casts truncated, where the GPU rounds to nearest even. We round.
+
+* A load through a tensor descriptor with a dimension of size 0 read nothing and
+  returned the padding, where the H200's copy engine stops the kernel with an illegal
+  instruction (an empty varlen sequence did it). We raise.
 
 Elementwise bf16 arithmetic and reductions are also wrong in the interpreter, which
 is why the kernels do all elementwise math in fp32 (as they should anyway).
@@ -66,7 +70,17 @@ def apply() -> None:
             return interp.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
+    original_descriptor_load = builder_cls.create_descriptor_load
+
+    def create_descriptor_load(self, desc, indices, cache_modifier, eviction_policy):
+        sizes = [int(np.asarray(dim.data).item()) for dim in desc.shape]
+        if 0 in sizes:
+            raise RuntimeError(f"load through a tensor descriptor of shape {sizes}: TMA "
+                               "faults on a zero-size dimension")
+        return original_descriptor_load(self, desc, indices, cache_modifier, eviction_policy)
+
     builder_cls.create_dot = create_dot
+    builder_cls.create_descriptor_load = create_descriptor_load
     builder_cls.cast_impl = cast_impl
     builder_cls.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     builder_cls.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)

@@ -11,7 +11,7 @@ import torch
 from fa_kernels import configs, launcher
 from fa_kernels import plan as fa_plan
 
-from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
+from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference, check_with_every_option,
                      forward_plan_jax, forward_plan_torch, random_qkv, run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
@@ -70,6 +70,35 @@ def test_descriptor_forward_with_every_option(descriptor_table, front):
     seqlen_k = 700 if ON_GPU else 120
     check_with_every_option(RUNNERS[front], 2, 45, seqlen_k, 4, 2, 64, "bfloat16", seed=9,
                             window_left=200, softcap=5.0, dropout_p=0.15)
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("front", RUNNERS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_descriptor_varlen_with_an_empty_sequence(descriptor_table, front, causal):
+    # Every kernel through descriptors on a packed batch with an empty sequence: a
+    # descriptor over its 0 rows must never be loaded (the H200 stops with an illegal
+    # instruction; the interpreter raises), and the other sequences come out right.
+    from .test_varlen import packed, reference_varlen, run_varlen
+
+    scale = 4 if ON_GPU else 1
+    lengths_q = [17 * scale, 0, 40 * scale, 1]
+    lengths_k = [17 * scale, 0, 25 * scale, 33]
+    q, k, v, cu_q, cu_k, dout = packed(lengths_q, lengths_k, 4, 2, 64, "bfloat16", seed=3)
+    varlen = dict(cu_seqlens_q_shape=cu_q.shape, cu_seqlens_k_shape=cu_k.shape,
+                  cu_seqlens_q_dtype="int32", cu_seqlens_k_dtype="int32",
+                  max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
+                                    "bfloat16", causal=causal, varlen=varlen)
+    bwd = fa_plan.backward_plan(problem, capability=CAPABILITY)
+    assert bwd.dkdv.constexprs["USE_TMA"] and bwd.dq.constexprs["USE_TMA"]
+    out, lse, grads = run_varlen(front, q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                 dout, causal=causal)
+    truth = reference_varlen(q, k, v, cu_q, cu_k, dout, torch.float64, causal=causal)
+    plain = reference_varlen(q, k, v, cu_q, cu_k, dout, q.dtype, causal=causal)
+    assert_close_to_reference("out", out, truth[0], plain[0], "bfloat16")
+    for name, g, t, f in zip(("dq", "dk", "dv"), grads, truth[2], plain[2]):
+        assert_close_to_reference(name, g, t, f, "bfloat16", factor=3.0)
 
 
 def _arrays(q, k, v):
