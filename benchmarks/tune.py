@@ -69,14 +69,16 @@ def candidates(kernel: str, head_dim: int, dtype: str, capability):
                 or (head_dim >= 256 and bm * bn > 64 * 64 and warps == 4)):
             continue
         out.append(cfg)
-        if capability >= (9, 0):  # the streamed blocks through TMA
+        if capability >= (9, 0):  # the streamed blocks through TMA, the held ones too or not
             out.append(configs.TileConfig(bm, bn, warps, stages, tma=True))
+            if kernel != "forward":
+                out.append(configs.TileConfig(bm, bn, warps, stages, tma=True, hold_tma=False))
     return out
 
 
 def entry(cfg) -> str:
     """A config as its line in configs.py."""
-    extra = ", tma=True" if cfg.tma else ""
+    extra = (", tma=True" + ("" if cfg.hold_tma else ", hold_tma=False")) if cfg.tma else ""
     return f"TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{extra})"
 
 

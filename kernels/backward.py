@@ -120,7 +120,7 @@ def attention_backward_dkdv(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -156,17 +156,17 @@ def attention_backward_dkdv(
 
     # Key rows past seqlen_k read as 0. They need no mask here: a key column of dS
     # only reaches its own rows of dK and dV, and those rows are not stored. Through a
-    # descriptor the held K and V land in shared memory, where the matmuls read them, with
-    # no copy in registers (at D = 256 that halves the spills: NOTES 16).
+    # descriptor (HOLD_TMA) the held K and V land in shared memory, where the matmuls read
+    # them, with no copy in registers (at D = 256 that halves the spills: NOTES 16, 17).
     k_row0 = k_start + tl.cast(start_n, tl.int64)
     k_source = block_source(K + batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn,
-                            seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+                            seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
     v_source = block_source(V + batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
-                            seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+                            seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   True, USE_TMA)
+                   True, HOLD_TMA)
     v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   True, USE_TMA)
+                   True, HOLD_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -278,7 +278,7 @@ def attention_backward_dq(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STRIDES_ALIGNED: tl.constexpr, USE_TMA: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr, USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -312,14 +312,14 @@ def attention_backward_dq(
     q_row0 = q_start + tl.cast(start_m, tl.int64)
 
     q_source = block_source(Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm,
-                            seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+                            seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA)
     do_source = block_source(
         dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
-        seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA)
     q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,
-                   True, USE_TMA)
+                   True, HOLD_TMA)
     do = load_block(do_source, start_m, offs_m, offs_d, stride_dom, seqlen_q, HEAD_DIM, BLOCK_D,
-                    True, USE_TMA)
+                    True, HOLD_TMA)
     row_base = batch64 * stride_lb + head64 * stride_lh + q_start
     lse2, delta = load_row_stats(LSE + row_base, Delta + row_base, rows, seqlen_q)
     k_source = block_source(K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn,

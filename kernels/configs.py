@@ -27,6 +27,12 @@ class TileConfig:
     # those strides are whole 16-byte units; the launcher falls back to pointer loads
     # where an array does not start on 16 bytes.
     tma: bool = False
+    # With ``tma``, the blocks a backward program holds through its whole loop (K/V in
+    # dK/dV, Q/dO in dQ) come through descriptors too and stay in shared memory, where the
+    # matmuls read them, with no register copy (the forward keeps its Q in registers).
+    # That pays where registers run out (dK/dV from D = 128, dQ at 256); where the copy
+    # is cheap, holding in registers measured faster (NOTES 17).
+    hold_tma: bool = True
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
@@ -41,8 +47,12 @@ class TileConfig:
 # With descriptors the blocks a program holds (K/V in dK/dV, Q/dO in dQ) stay in shared
 # memory too, `tune.py --tma-only --kernels dkdv,dq --head-dims 128,256,64` (sixth
 # session; NOTES 17): dK/dV D = 128 (64, 64, 4, 2) 1.972 / 1.266 ms against 2.245 / 1.254,
-# D = 256 3.737 / 2.473 against 4.716 / 3.418 (pointer loads), D = 64 2.517 / 1.371
-# against 2.545 / 1.436; dQ D = 256 1.331 / 0.859 against 1.473 / 0.855.
+# D = 256 3.737 / 2.473 against 4.716 / 3.418 (pointer loads); dQ D = 256 1.331 / 0.859
+# against 1.473 / 0.855. At D = 64 the best dK/dV holding through descriptors took
+# 2.517 / 1.371 ms, where the fifth session's entry (held in registers) took 2.415 / 1.308
+# (and fwd+bwd read 363 against 372 TFLOP/s in the benches): that entry stays. So does
+# dQ's at D = 128: holding Q/dO through descriptors read 1.395 / 0.798 ms against the
+# fifth session's 1.335 / 0.749 in registers (across runs; NOTES 17 has the rest).
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
@@ -51,13 +61,13 @@ _GPU_16BIT = {
     ("forward", 256): TileConfig(128, 64, 8, 2),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
-    ("dkdv", 64): TileConfig(32, 64, 4, 3, tma=True),
+    ("dkdv", 64): TileConfig(64, 64, 4, 3, tma=True, hold_tma=False),
     ("dkdv", 128): TileConfig(64, 64, 4, 2, tma=True),
     ("dkdv", 256): TileConfig(64, 64, 8, 2, tma=True),
     ("dq", 16): TileConfig(128, 64, 8, 3),
     ("dq", 32): TileConfig(128, 64, 8, 3),
     ("dq", 64): TileConfig(128, 64, 8, 3),
-    ("dq", 128): TileConfig(128, 64, 8, 3, tma=True),
+    ("dq", 128): TileConfig(128, 64, 8, 3, tma=True, hold_tma=False),
     ("dq", 256): TileConfig(128, 32, 8, 3, tma=True),
     ("preprocess", 0): TileConfig(128, 0, 4, 1),
 }
@@ -208,7 +218,8 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
         # program an SM could run: short sequences would pay for stages they never fill.
         streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
         num_stages = min(num_stages, max(2, -(-streamed // block)))
-    cfg = TileConfig(block_m, block_n, num_warps, num_stages, base.tma)
+    cfg = replace(base, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                  num_stages=num_stages)
     if capability is None:
         return cfg
     limit = shared_memory_limit(capability)

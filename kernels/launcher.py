@@ -42,6 +42,8 @@ def without_tma(launch):
         if len(_WITHOUT_TMA) >= _MAX_ENTRIES:
             _WITHOUT_TMA.clear()
         constexprs = dict(launch.constexprs, USE_TMA=False)
+        if "HOLD_TMA" in constexprs:
+            constexprs["HOLD_TMA"] = False
         entry = _WITHOUT_TMA[id(launch)] = (launch, dataclasses.replace(launch,
                                                                         constexprs=constexprs))
     return entry[1]

@@ -442,6 +442,16 @@ def _use_tma(cfg, override: bool | None, capability, dtype: str,
             and all(s * ITEMSIZE[dtype] % 16 == 0 for st in strides for s in st))
 
 
+def _tma_flags(cfg, override: bool | None, capability, dtype: str, streamed: tuple,
+               held: tuple) -> dict:
+    """A backward kernel's descriptor flags: USE_TMA for the blocks it streams, HOLD_TMA
+    for those it holds (only with USE_TMA, as the entry's ``hold_tma`` says, and where
+    their strides allow it too)."""
+    use = _use_tma(cfg, override, capability, dtype, *streamed)
+    hold = use and cfg.hold_tma and _use_tma(cfg, True, capability, dtype, *held)
+    return dict(USE_TMA=use, HOLD_TMA=hold)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -591,8 +601,10 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     the preprocess. ``has_dlse`` False: the LSE got no gradient (dlse is not read;
     the same D as a zero dlse, bit for bit). With ``bias_grad``, dq also writes
     ``dbias``, dense (B, Hq, Sq, Sk) fp32: sum it over ``problem.bias_reduce_axes``.
-    ``tma`` overrides the table's choice of tensor-descriptor loads (for the blocks the
-    dK/dV and dQ kernels hold as well as those they stream: Q, K, V and dO).
+    ``tma`` overrides the table's choice of tensor-descriptor loads for the blocks the
+    dK/dV and dQ kernels stream; the blocks they hold come through descriptors too where
+    the entry's ``hold_tma`` says so. Either way a block read through descriptors needs
+    strides of whole 16-byte units.
     """
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
@@ -638,8 +650,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dkv_st, *dkv_st),
         outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
-        constexprs=constexprs(kv, USE_TMA=_use_tma(kv, tma, capability, p.dtype, q_st, k_st,
-                                                   v_st, do_st)),
+        constexprs=constexprs(kv, **_tma_flags(kv, tma, capability, p.dtype,
+                                               streamed=(q_st, do_st), held=(k_st, v_st))),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
@@ -655,8 +667,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         scalars=(*common_scalars, *dq_st, *dbias_st),
         outputs=(Output("dq", p.q_shape, p.dtype), dbias),
         constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
-                              USE_TMA=_use_tma(qc, tma, capability, p.dtype, q_st, k_st,
-                                               v_st, do_st)),
+                              **_tma_flags(qc, tma, capability, p.dtype,
+                                           streamed=(k_st, v_st), held=(q_st, do_st))),
         num_warps=qc.num_warps,
         num_stages=qc.num_stages,
     )

@@ -258,3 +258,34 @@ def test_few_rows_entries(monkeypatch):
     launch = plan.forward_plan(p, capability=(9, 0)).launch  # 4 packed rows
     assert (launch.constexprs["BLOCK_N"], launch.num_warps) == (128, 4)
     plan.forward_plan.cache_clear()
+
+
+def test_held_blocks_through_descriptors_as_the_entry_says():
+    # USE_TMA: the streamed blocks; HOLD_TMA: the held ones, only with USE_TMA and as the
+    # entry's hold_tma says (the H200's D = 64 dK/dV keeps K/V in registers).
+    from fa_kernels import configs
+
+    for head_dim in (64, 128, 256):
+        shape = (2, 4096, 4, head_dim)
+        p = plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
+        bwd = plan.backward_plan(p, capability=(9, 0))
+        for kernel in ("dkdv", "dq"):
+            entry = configs.table_entry(kernel, head_dim, "bfloat16", 4096, 4096)
+            flags = getattr(bwd, kernel).constexprs
+            assert flags["USE_TMA"] == entry.tma
+            assert flags["HOLD_TMA"] == (entry.tma and entry.hold_tma)
+        ampere = plan.backward_plan(p, capability=(8, 0))
+        assert not ampere.dkdv.constexprs["HOLD_TMA"] and not ampere.dq.constexprs["HOLD_TMA"]
+    assert not configs.table_entry("dkdv", 64, "bfloat16", 4096, 4096).hold_tma
+
+
+def test_held_blocks_need_their_own_strides_aligned():
+    # K with a sequence stride of 260 bf16 values (520 bytes, not whole 16-byte units):
+    # dK/dV still streams Q/dO through descriptors but holds K/V through pointer loads,
+    # and dQ, which streams K/V, uses none.
+    shape = (1, 4096, 4, 64)
+    p = plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
+    odd_k = (4096 * 260, 260, 64, 1)
+    bwd = plan.backward_plan(p, capability=(9, 0), k_strides=odd_k, tma=True)
+    assert bwd.dkdv.constexprs["USE_TMA"] and not bwd.dkdv.constexprs["HOLD_TMA"]
+    assert not bwd.dq.constexprs["USE_TMA"] and not bwd.dq.constexprs["HOLD_TMA"]

@@ -126,10 +126,28 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
 
 
+def _hold_tma_everywhere(monkeypatch, hold):
+    """Every dK/dV and dQ entry (the interpreter's config on the CPU) holding its blocks
+    through descriptors or in registers."""
+    tables = ((configs._GPU_16BIT, configs._GPU_16BIT_CAUSAL, configs._GPU_16BIT_SHORT)
+              if ON_GPU else ())
+    for table in tables:
+        for key, cfg in list(table.items()):
+            if key[0] in ("dkdv", "dq"):
+                monkeypatch.setitem(table, key, dataclasses.replace(cfg, hold_tma=hold))
+    if not ON_GPU:
+        monkeypatch.setattr(configs, "_INTERPRETER",
+                            dataclasses.replace(configs._INTERPRETER, hold_tma=hold))
+    fa_plan.backward_plan.cache_clear()
+
+
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("hold", [True, False], ids=["held-by-tma", "held-in-registers"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_descriptor_backward_gives_the_same_bits(causal):
+def test_descriptor_backward_gives_the_same_bits(monkeypatch, causal, hold):
     from fa_torch import _launch
+
+    _hold_tma_everywhere(monkeypatch, hold)
 
     seqlen = 700 if ON_GPU else 90
     q, k, v = random_qkv(2, seqlen, seqlen + 13, 4, 2, 64, "bfloat16", seed=12)
@@ -142,12 +160,17 @@ def test_descriptor_backward_gives_the_same_bits(causal):
     for flag in (False, True):
         bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, tma=flag, has_dlse=False)
         assert bwd.dkdv.constexprs["USE_TMA"] == flag == bwd.dq.constexprs["USE_TMA"]
+        assert bwd.dkdv.constexprs["HOLD_TMA"] == (flag and hold) == bwd.dq.constexprs["HOLD_TMA"]
+        if flag:  # the launcher's fallback for unaligned arrays turns both off
+            plain = launcher.without_tma(bwd.dkdv).constexprs
+            assert not plain["USE_TMA"] and not plain["HOLD_TMA"]
         arrays = dict(_arrays(q, k, v), out=out, lse=lse, dout=dout)
         for launch in bwd.launches:
             _launch.run(launch, arrays, DEVICE)
         grads[flag] = [arrays[name] for name in ("dq", "dk", "dv")]
     for plain, tma in zip(grads[False], grads[True]):
         assert torch.equal(plain, tma)
+    fa_plan.backward_plan.cache_clear()
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
