@@ -3,7 +3,8 @@
 Autotuning at run time would let torch and jax (or two runs) pick different configs
 and so give different bits; a table keeps both front ends on the same kernel.
 
-GPU entries are keyed by (kernel, padded head dim, dtype); the tile is then shrunk
+GPU entries are keyed by (kernel, padded head dim, dtype), with entries of their own for
+short sequences, causal problems and few query rows; the tile is then shrunk
 to the sequence length (a seqlen bucket: the next power of two, at least 16), so
 short sequences do not pay for empty rows. ``benchmarks/tune.py`` measures
 candidates on the GPU; the table holds what it chose.
