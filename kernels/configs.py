@@ -94,8 +94,8 @@ _GPU_32BIT = {
 }
 
 # Causal problems at the main table's lengths, where a causal tune's winner beats the
-# main entry's causal time by more than a few percent (half the tiles are diagonal there,
-# and a tile that masks fewer keys a step pays back its smaller matmuls). Same keys as the
+# main entry's causal time by more than a few percent (the causal loops skip half the
+# blocks and mask the diagonal ones, which can favour another tile). Same keys as the
 # main table; `tune.py` prints these lines.
 _GPU_16BIT_CAUSAL = {
     # tune.py --tma-only --kernels dkdv (H200, 2026-12-03): 1.169 ms against the main

@@ -49,7 +49,7 @@ def without_tma(launch):
     return entry[1]
 
 
-_STREAMED = ("q", "k", "v", "dout")  # what the kernels may read through descriptors
+_DESCRIPTOR_INPUTS = ("q", "k", "v", "dout")  # what the kernels may read through descriptors
 
 
 def fit_to_arrays(launch, inputs: list):
@@ -57,7 +57,7 @@ def fit_to_arrays(launch, inputs: list):
     descriptors and one of q, k, v, dout does not start on 16 bytes: the plan checked
     the strides, but only the arrays know their addresses (a view can start anywhere)."""
     if launch.constexprs.get("USE_TMA") and any(
-            a.data_ptr() % 16 for name, a in zip(launch.inputs, inputs) if name in _STREAMED):
+            a.data_ptr() % 16 for name, a in zip(launch.inputs, inputs) if name in _DESCRIPTOR_INPUTS):
         return without_tma(launch)
     return launch
 

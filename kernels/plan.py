@@ -432,14 +432,19 @@ def _aligned(*strides: tuple[int, int, int]) -> bool:
     return all(s % 16 == 0 for st in strides for s in st)
 
 
+def _descriptors_allowed(capability, dtype: str, *strides: tuple[int, int, int]) -> bool:
+    """Tensor descriptors can read these arrays: from Hopper on (the interpreter has them
+    too), with every (batch, seq, head) stride a whole number of 16 bytes."""
+    return ((capability is None or capability >= (9, 0))
+            and all(s * ITEMSIZE[dtype] % 16 == 0 for st in strides for s in st))
+
+
 def _use_tma(cfg, override: bool | None, capability, dtype: str,
              *strides: tuple[int, int, int]) -> bool:
     """Tensor descriptors for a kernel's streamed blocks, as the table entry says unless
-    ``override`` is given: from Hopper on (the interpreter has them too), with every
-    (batch, seq, head) stride a whole number of 16 bytes."""
+    ``override`` is given, where they can read them."""
     wanted = cfg.tma if override is None else override
-    return (bool(wanted) and (capability is None or capability >= (9, 0))
-            and all(s * ITEMSIZE[dtype] % 16 == 0 for st in strides for s in st))
+    return bool(wanted) and _descriptors_allowed(capability, dtype, *strides)
 
 
 def _tma_flags(cfg, override: bool | None, capability, dtype: str, streamed: tuple,
@@ -448,7 +453,7 @@ def _tma_flags(cfg, override: bool | None, capability, dtype: str, streamed: tup
     for those it holds (only with USE_TMA, as the entry's ``hold_tma`` says, and where
     their strides allow it too)."""
     use = _use_tma(cfg, override, capability, dtype, *streamed)
-    hold = use and cfg.hold_tma and _use_tma(cfg, True, capability, dtype, *held)
+    hold = use and cfg.hold_tma and _descriptors_allowed(capability, dtype, *held)
     return dict(USE_TMA=use, HOLD_TMA=hold)
 
 
