@@ -11,29 +11,36 @@ import torch
 from fa_kernels import configs, launcher
 from fa_kernels import plan as fa_plan
 
-from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference, check_with_every_option,
-                     forward_plan_jax, forward_plan_torch, random_qkv, run_jax, run_torch)
+from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference,
+                     check_with_every_option, forward_plan_jax, forward_plan_torch, random_qkv,
+                     run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
 HOPPER = CAPABILITY is None or CAPABILITY >= (9, 0)
 
 
-@pytest.fixture
-def descriptor_table(monkeypatch):
-    """Every forward, dK/dV and dQ entry with descriptors."""
-    flags = dict(tma=True)
+def _replace_entries(monkeypatch, kernels, **flags):
+    """Every GPU table entry of ``kernels`` (the interpreter's config on the CPU) with
+    ``flags`` set; the plans, cached, are made again."""
     if ON_GPU:
-        for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_SHORT,
-                      configs._GPU_16BIT_FEW_ROWS):
+        for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_CAUSAL,
+                      configs._GPU_16BIT_SHORT, configs._GPU_16BIT_FEW_ROWS):
             for key, cfg in list(table.items()):
-                if key[0] in ("forward", "dkdv", "dq"):
+                if key[0] in kernels:
                     monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
     else:
         monkeypatch.setattr(configs, "_INTERPRETER", dataclasses.replace(configs._INTERPRETER,
                                                                          **flags))
     fa_plan.forward_plan.cache_clear()
     fa_plan.backward_plan.cache_clear()
+
+
+@pytest.fixture
+def descriptor_table(monkeypatch):
+    """Every forward, dK/dV and dQ entry with descriptors."""
+    flags = dict(tma=True)
+    _replace_entries(monkeypatch, ("forward", "dkdv", "dq"), **flags)
     yield flags
     fa_plan.forward_plan.cache_clear()
     fa_plan.backward_plan.cache_clear()
@@ -126,28 +133,13 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
 
 
-def _hold_tma_everywhere(monkeypatch, hold):
-    """Every dK/dV and dQ entry (the interpreter's config on the CPU) holding its blocks
-    through descriptors or in registers."""
-    tables = ((configs._GPU_16BIT, configs._GPU_16BIT_CAUSAL, configs._GPU_16BIT_SHORT)
-              if ON_GPU else ())
-    for table in tables:
-        for key, cfg in list(table.items()):
-            if key[0] in ("dkdv", "dq"):
-                monkeypatch.setitem(table, key, dataclasses.replace(cfg, hold_tma=hold))
-    if not ON_GPU:
-        monkeypatch.setattr(configs, "_INTERPRETER",
-                            dataclasses.replace(configs._INTERPRETER, hold_tma=hold))
-    fa_plan.backward_plan.cache_clear()
-
-
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
 @pytest.mark.parametrize("hold", [True, False], ids=["held-by-tma", "held-in-registers"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_descriptor_backward_gives_the_same_bits(monkeypatch, causal, hold):
     from fa_torch import _launch
 
-    _hold_tma_everywhere(monkeypatch, hold)
+    _replace_entries(monkeypatch, ("dkdv", "dq"), hold_tma=hold)
 
     seqlen = 700 if ON_GPU else 90
     q, k, v = random_qkv(2, seqlen, seqlen + 13, 4, 2, 64, "bfloat16", seed=12)
