@@ -292,19 +292,28 @@ def load_seed(Seed, batch, head, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(m_i, l_i, s, MASKED: tl.constexpr):
+def softmax_step(m_i, l_i, s, qk_scale, MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr):
     """One online-softmax step in base 2 over a block of scores ``s``.
 
-    Returns the new running max, the new running sum, the block's unnormalised
-    probabilities and the factor that rescales what was accumulated before.
+    With ``FOLD_SCALE``, ``s`` is the raw q·k and ``qk_scale`` (> 0, so it commutes with
+    the max) is applied inside exp2's argument, one FMA an element where scaling first
+    took a multiply and a subtract. Returns the new running max, the new running sum,
+    the block's unnormalised probabilities and the factor that rescales what was
+    accumulated before.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
         # A row may have seen no key yet (all -inf): exp2(-inf - -inf) would be NaN.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
-    p = tl.exp2(s - m_ref[:, None])
+    if FOLD_SCALE:
+        p = tl.exp2(s * qk_scale - m_ref[:, None])
+    else:
+        p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_new = l_i * alpha + tl.sum(p, 1)
     return m_new, l_new, p, alpha

@@ -474,6 +474,13 @@ def _feature_constexprs(p: AttentionProblem) -> dict:
                 HAS_DROPOUT=p.dropout_p > 0)
 
 
+def fold_scale(p: AttentionProblem) -> bool:
+    """The forward may take the row max over raw q·k and scale inside exp2 (one FMA an
+    element): the scores are plain (no softcap, bias or ALiBi) and the scale is > 0."""
+    return (p.softmax_scale > 0 and not p.softcap and p.bias_shape is None
+            and p.alibi_shape is None)
+
+
 def _bias_alibi_scalars(p: AttentionProblem, bias_st) -> tuple:
     bias = bias_strides(p.bias_shape, bias_st) if p.bias_shape is not None else (0, 0, 0, 0)
     slopes = p.heads_q if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0
@@ -571,7 +578,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
                         DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
-                        PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma),
+                        PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma,
+                        FOLD_SCALE=fold_scale(p)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

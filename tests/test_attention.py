@@ -42,7 +42,7 @@ def test_gqa(front, heads, causal):
 
 
 @pytest.mark.parametrize("front", RUNNERS)
-@pytest.mark.parametrize("softmax_scale", [0.0, 0.05, 1.0])
+@pytest.mark.parametrize("softmax_scale", [-0.3, 0.0, 0.05, 1.0])
 def test_softmax_scale(front, softmax_scale):
     check_against_reference(RUNNERS[front], 1, 33, 40, 2, 2, 32, "float16", True,
                             softmax_scale=softmax_scale)

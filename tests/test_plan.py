@@ -128,6 +128,17 @@ def test_same_plan_for_both_front_ends():
     assert a == b
 
 
+@pytest.mark.parametrize("options, folded", [
+    ({}, True), (dict(causal=True, window_size=(8, 0)), True), (dict(softmax_scale=2.0), True),
+    (dict(softmax_scale=0.0), False), (dict(softmax_scale=-0.5), False),
+    (dict(softcap=30.0), False), (dict(bias_shape=(1, 1, 100, 300), bias_dtype="float32"), False),
+    (dict(alibi_shape=(8,), alibi_dtype="float32"), False)])
+def test_scale_folded_into_exp2_only_where_it_commutes_with_the_max(options, folded):
+    # max(c * s) = c * max(s) needs c > 0, and the scores must be q·k times the scale.
+    launch = plan.forward_plan(problem(**options), capability=None).launch
+    assert launch.constexprs["FOLD_SCALE"] is folded
+
+
 def test_causal_is_window_right_zero():
     p = problem(causal=True, window_size=(5, 7))
     assert (p.window_left, p.window_right) == (5, 0)
