@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (carry .whl when it holds wheels the image lacks):
 #   bash scripts/gpu_session.sh STEP...      STEP: test | memcheck | bench | compare | tune |
-#                                                  examples | "any python args"
+#                                                  profile | examples | "any python args"
 # Logs go to $OUT when it is set. Each step prints a short summary; tables print last.
 set -uo pipefail
 out="${OUT:-/tmp/fa_out}"; mkdir -p "$out"
@@ -33,6 +33,15 @@ for step in "$@"; do
     tune)
       timeout "${TUNE_TIMEOUT:-360}" "$py" benchmarks/tune.py ${TUNE_ARGS:-} --out "$out" \
         2> "$out/tune.err" | tee "$out/tune.log" | tail -30 ;;
+    profile)  # ncu counters of each kernel of one fwd+bwd call (the last of PROFILE_ARGS' calls)
+      timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --target-processes all \
+        --kernel-name "regex:${PROFILE_KERNELS:-attention_(forward|backward_dkdv|backward_dq)\$}" \
+        --launch-skip "${PROFILE_SKIP:-6}" --launch-count "${PROFILE_COUNT:-3}" \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \
+        --metrics "regex:^sm__inst_executed_pipe_.*avg.pct_of_peak_sustained_active\$,regex:^sm__pipe_.*cycles_active.avg.pct_of_peak_sustained_active\$" \
+        "$py" benchmarks/kernel_profile.py ${PROFILE_ARGS:-} > "$out/profile.log" 2>&1
+      grep -vE "^==PROF==|^\s*$|----" "$out/profile.log" | tail -n "${PROFILE_LINES:-400}" ;;
     examples)
       timeout "${EXAMPLES_TIMEOUT:-300}" "$py" benchmarks/step_time.py ${STEP_ARGS:-} --out "$out" 2>&1 \
         | tee "$out/examples.log" | tail -20 ;;
