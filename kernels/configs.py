@@ -54,6 +54,9 @@ class TileConfig:
 # (and fwd+bwd read 363 against 372 TFLOP/s in the benches): that entry stays. So does
 # dQ's at D = 128: holding Q/dO through descriptors read 1.395 / 0.798 ms against the
 # fifth session's 1.335 / 0.749 in registers (across runs; NOTES 17 has the rest).
+# `tune.py --tma-only --kernels dkdv,dq --head-dims 64,128` (seventh session; NOTES 18)
+# kept those two and the D = 128 dK/dV entry, and moved dQ at D = 64 to descriptors
+# (holding Q/dO through them): 1.411 / 0.787 ms against the pointer entry's 1.452 / 0.799.
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
@@ -67,7 +70,7 @@ _GPU_16BIT = {
     ("dkdv", 256): TileConfig(64, 64, 8, 2, tma=True),
     ("dq", 16): TileConfig(128, 64, 8, 3),
     ("dq", 32): TileConfig(128, 64, 8, 3),
-    ("dq", 64): TileConfig(128, 64, 8, 3),
+    ("dq", 64): TileConfig(128, 64, 4, 3, tma=True),
     ("dq", 128): TileConfig(128, 64, 8, 3, tma=True, hold_tma=False),
     ("dq", 256): TileConfig(128, 32, 8, 3, tma=True),
     ("preprocess", 0): TileConfig(128, 0, 4, 1),
