@@ -16,9 +16,10 @@ py="$(./scripts/env.sh)" || exit 1
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
-    test)
-      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -n "${WORKERS:-12}" -p no:cacheprovider \
-        -p no:benchmark -rfE -v ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-tests} \
+    test)  # worksteal (xdist >= 3.2): idle workers take queued tests, so long ones spread out
+      dist=$("$py" -c "import xdist; print('--dist worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else '')")
+      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -n "${WORKERS:-12}" $dist -p no:cacheprovider \
+        -p no:benchmark -rfE -v --durations=15 ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-tests} \
         > "$out/test.log" 2>&1; grep -E "FAILED|ERROR" "$out/test.log" | head -30; tail -3 "$out/test.log" ;;
     memcheck)
       timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
