@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -58,12 +59,20 @@ def bench_torch(fn):
                                    return_mode="median")
 
 
-def bench_jax(fn, args, reps=20, rounds=7):
-    """Median over rounds of (time of ``reps`` back-to-back calls) / reps, in ms."""
+def bench_jax(fn, args, rounds=9, round_ms=25.0):
+    """Median over rounds of (time of back-to-back calls) / calls, in ms. A round holds
+    at least 20 calls and about ``round_ms`` of work, so that the dispatch of its first
+    call and the final sync weigh little even for calls of a fraction of a millisecond
+    (with a fixed 20 calls a round, short calls read a few percent slow and noisy)."""
     import jax
 
     jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(3):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    estimate = (time.perf_counter() - start) / 3 * 1e3
+    reps = max(20, math.ceil(round_ms / max(estimate, 1e-3)))
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
