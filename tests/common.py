@@ -154,13 +154,17 @@ def check_with_every_option(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k,
 
 def check_against_reference(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
                             dtype, causal, softmax_scale=None, seed=0, bias_shape=None,
-                            **options):
+                            key_ramp=0.0, **options):
     """Our forward, LSE and gradients against float64, by flash-attn's tolerance rule.
 
     ``options`` go to the front end (window_size, softcap, alibi_slopes, dropout_p with
-    dropout_seed); the reference gets the keep mask the kernel drew.
+    dropout_seed); the reference gets the keep mask the kernel drew. ``key_ramp`` scales
+    key j by ``1 + key_ramp * j / seqlen_k``: scores that grow along the keys.
     """
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed)
+    if key_ramp:
+        ramp = 1 + key_ramp * torch.arange(seqlen_k, dtype=torch.float32) / seqlen_k
+        k = (k.float() * ramp.to(k.device)[None, :, None, None]).to(k.dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype).to(q.device)
     bias = None

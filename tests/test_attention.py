@@ -42,6 +42,15 @@ def test_gqa(front, heads, causal):
 
 
 @pytest.mark.parametrize("front", RUNNERS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_running_max_growing_along_the_keys(front, causal):
+    # Scores that grow key block by key block: the running max rises by more than 2^8
+    # between blocks, and what was accumulated must be rescaled each time.
+    check_against_reference(RUNNERS[front], 1, 64, 512, 2, 2, 32, "bfloat16", causal,
+                            softmax_scale=1.0, key_ramp=3.0)
+
+
+@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("softmax_scale", [-0.3, 0.0, 0.05, 1.0])
 def test_softmax_scale(front, softmax_scale):
     check_against_reference(RUNNERS[front], 1, 33, 40, 2, 2, 32, "float16", True,
