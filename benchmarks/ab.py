@@ -8,7 +8,8 @@ Each ``--variant`` is NAME=VALUE[,NAME=VALUE...] (ints; 0/1 for flags; not the b
 the grid is cut by: BLOCK_M of the forward and dQ, BLOCK_N of dK/dV). The first row of
 each shape is the plan's own launch; the others print their time and the largest
 difference of their outputs from it (the same arithmetic in another order gives ~1 ulp).
-Without a GPU it runs the interpreter on a small shape (a check of the script, no times).
+Inputs, launches and the outputs compared are tune.py's. Without a GPU it runs the
+interpreter on a small shape (a check of the script, no times).
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+from bench import parse_shape  # noqa: E402
+from tune import CHECKED, KERNELS, inputs_for, launch_of  # noqa: E402
 
 from fa_kernels import plan, runtime  # noqa: E402
 from fa_torch import _launch  # noqa: E402
-
-KERNELS = ("forward", "dkdv", "dq")
 
 
 def parse_variant(text: str) -> dict:
@@ -35,54 +36,43 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def launches(kernel, p, capability):
-    fwd = plan.forward_plan(p, capability=capability)
-    bwd = plan.backward_plan(p, capability=capability)
-    return fwd, bwd, (fwd.launch if kernel == "forward" else getattr(bwd, kernel))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kernel", choices=KERNELS, default="forward")
     parser.add_argument("--variant", action="append", default=[])
-    parser.add_argument("--shape", action="append", default=[], help="B,S,Hq,Hk,D,causal")
+    parser.add_argument("--shape", action="append", default=[],
+                        help="B,S,Hq,Hk,D,causal or B,Sq,Sk,Hq,Hk,D,causal")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     gpu = not runtime.interpreting()
-    device = torch.device("cuda" if gpu else "cpu")
-    capability = _launch.capability(device)
+    device = "cuda" if gpu else "cpu"
+    capability = _launch.capability(torch.device(device))
     shapes = args.shape or (["4,4096,16,16,128,0", "4,4096,16,16,128,1", "4,4096,32,32,64,0",
                              "4,4096,32,32,64,1"] if gpu else ["1,200,2,2,64,1"])
     variants = [{}] + [parse_variant(v) for v in args.variant]
     rows = []
     for spec in shapes:
-        batch, seqlen, heads_q, heads_k, head_dim, causal = (int(x) for x in spec.split(","))
-        q_shape, kv_shape = (batch, seqlen, heads_q, head_dim), (batch, seqlen, heads_k, head_dim)
+        batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal = parse_shape(spec)
+        q_shape = (batch, seqlen_q, heads_q, head_dim)
+        kv_shape = (batch, seqlen_k, heads_k, head_dim)
         p = plan.check_problem(q_shape, kv_shape, kv_shape, args.dtype, args.dtype, args.dtype,
-                               causal=bool(causal))
-        fwd, bwd, launch = launches(args.kernel, p, capability)
-        gen = torch.Generator(device=device).manual_seed(0)
-        dtype = getattr(torch, args.dtype)
-        arrays = {name: torch.randn(q_shape if name in ("q", "dout") else kv_shape,
-                                    generator=gen, device=device, dtype=dtype)
-                  for name in ("q", "k", "v", "dout")}
-        if args.kernel != "forward":  # what the backward kernels read: out, lse, delta
-            for step in (*fwd.launches, bwd.preprocess):
-                _launch.run(step, arrays, device)
+                               causal=causal)
+        arrays = inputs_for(p, capability, device=device)
+        launch = launch_of(args.kernel, p, capability)
         first = None
         for variant in variants:
             trial = dataclasses.replace(launch, constexprs={**launch.constexprs, **variant})
-            outputs = _launch.run(trial, dict(arrays), device)
-            values = [outputs[o.name].float() for o in launch.outputs
-                      if o.name != "dbias"]  # (no bias here: a placeholder, never written)
+            outputs = _launch.run(trial, dict(arrays), torch.device(device))
+            values = [outputs[name].float() for name in CHECKED[args.kernel]]
             first = first or values
             diff = max(float((a - b).abs().nan_to_num(0.0).max()) for a, b in zip(values, first))
             ms = float("nan")
             if gpu:
                 import triton.testing
 
-                ms = triton.testing.do_bench(lambda: _launch.run(trial, dict(arrays), device),
-                                             warmup=50, rep=300, return_mode="median")
+                ms = triton.testing.do_bench(
+                    lambda: _launch.run(trial, dict(arrays), torch.device(device)),
+                    warmup=50, rep=300, return_mode="median")
             label = ",".join(f"{k}={v}" for k, v in variant.items()) or "plan"
             rows.append((spec, label, ms, diff))
             print(rows[-1], file=sys.stderr, flush=True)

@@ -125,21 +125,21 @@ def plans(p, capability):
                for k in ("preprocess", "dkdv", "dq")}}
 
 
-def random_arrays(p, names, seed=0):
+def random_arrays(p, names, seed=0, device="cuda"):
     """Random q-shaped (q, dout) and k/v-shaped arrays of the problem's dtype."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     tdtype = getattr(torch, p.dtype)
     return {name: torch.randn(p.q_shape if name in ("q", "dout") else p.kv_shape,
-                              device="cuda", dtype=tdtype, generator=gen) for name in names}
+                              device=device, dtype=tdtype, generator=gen) for name in names}
 
 
-def inputs_for(p, capability, seed=0):
+def inputs_for(p, capability, seed=0, device="cuda"):
     """Every array the three kernels read, made with the current table."""
-    arrays = random_arrays(p, ("q", "k", "v", "dout"), seed)
-    arrays["dlse"] = torch.zeros(p.lse_shape, device="cuda", dtype=torch.float32)
+    arrays = random_arrays(p, ("q", "k", "v", "dout"), seed, device)
+    arrays["dlse"] = torch.zeros(p.lse_shape, device=device, dtype=torch.float32)
     launches = plans(p, capability)
-    _launch.run(launches["forward"].launch, arrays, torch.device("cuda"))
-    _launch.run(launches["preprocess"], arrays, torch.device("cuda"))
+    _launch.run(launches["forward"].launch, arrays, torch.device(device))
+    _launch.run(launches["preprocess"], arrays, torch.device(device))
     return arrays
 
 
