@@ -73,12 +73,15 @@ def candidates(kernel: str, head_dim: int, dtype: str, capability):
             out.append(configs.TileConfig(bm, bn, warps, stages, tma=True))
             if kernel != "forward":
                 out.append(configs.TileConfig(bm, bn, warps, stages, tma=True, hold_tma=False))
+    if kernel == "dkdv" and head_dim >= 256:  # dK and dV by programs apart, too
+        out += [dataclasses.replace(cfg, apart=True) for cfg in out]
     return out
 
 
 def entry(cfg) -> str:
     """A config as its line in configs.py."""
     extra = (", tma=True" + ("" if cfg.hold_tma else ", hold_tma=False")) if cfg.tma else ""
+    extra += ", apart=True" if cfg.apart else ""
     return f"TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}{extra})"
 
 

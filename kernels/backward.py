@@ -69,8 +69,10 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_bas
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """Add one query block's share to dK and dV (tiles kept transposed: keys x queries)."""
+               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WANT_DK: tl.constexpr,
+               WANT_DV: tl.constexpr):
+    """Add one query block's share to dK and/or dV (tiles kept transposed: keys x
+    queries); ``v`` is read only for dK."""
     rows = start_m + offs_m
     q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,
                    True, USE_TMA)
@@ -85,18 +87,24 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_bas
     if MASKED:
         p_t = tl.where(visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
                                window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if WANT_DK:  # dP first: dV's matmul, an accumulator, then runs beside dS's arithmetic
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep_t = dropout_keep(seed_lo, seed_hi, batch, head, rows[None, :], cols[:, None],
                               dropout_p)
-        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
-    else:
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    if HAS_SOFTCAP:
-        ds_t = ds_t * softcap_slope(qk_t, softcap_scale)
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    if WANT_DV:
+        if HAS_DROPOUT:
+            dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv,
+                        input_precision=DOT_PRECISION)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    if WANT_DK:
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * softcap_slope(qk_t, softcap_scale)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -120,7 +128,7 @@ def attention_backward_dkdv(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, DKDV_APART: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -140,7 +148,12 @@ def attention_backward_dkdv(
     stride_dvb = aligned(stride_dvb, STRIDES_ALIGNED)
     stride_dvn = aligned(stride_dvn, STRIDES_ALIGNED)
     stride_dvh = aligned(stride_dvh, STRIDES_ALIGNED)
-    start_n = tl.program_id(0) * BLOCK_N
+    # DKDV_APART: two programs a key block, one for dV, one for dK (each recomputes P):
+    # where one program cannot hold both accumulators without spilling (D = 256; NOTES 19).
+    block = tl.program_id(0)
+    if DKDV_APART:
+        block = block // 2
+    start_n = block * BLOCK_N
     head_k = tl.program_id(1)
     batch = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
@@ -148,6 +161,58 @@ def attention_backward_dkdv(
     if start_n >= seqlen_k:  # past this sequence's keys (varlen): no row of dK, dV to write,
         return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)
+    if DKDV_APART:
+        if tl.program_id(0) % 2 == 0:
+            _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+                        batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
+                        qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+                        window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
+                        stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
+                        stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
+                        stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
+                        stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                        GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, False, True)
+        else:
+            _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+                        batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
+                        qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+                        window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
+                        stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
+                        stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
+                        stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
+                        stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                        GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, True, False)
+    else:
+        _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+                    batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
+                    qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+                    window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
+                    stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
+                    stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
+                    stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
+                    stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                    GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                    HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, True, True)
+
+
+@triton.jit
+def _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+                batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
+                qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+                window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
+                stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
+                stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
+                stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
+                stride_dvb, stride_dvn, stride_dvh, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_SIZE: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                HOLD_TMA: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+    """dK and/or dV of the key block from ``start_n``: the loop over the query blocks that
+    see it, for every query head of the GQA group, then the stores."""
     head_k64 = tl.cast(head_k, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -161,12 +226,15 @@ def attention_backward_dkdv(
     k_row0 = k_start + tl.cast(start_n, tl.int64)
     k_source = block_source(K + batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn,
                             seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
-    v_source = block_source(V + batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
-                            seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
                    True, HOLD_TMA)
-    v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   True, HOLD_TMA)
+    v = k  # dV's programs apart (WANT_DK off) do not read V
+    if WANT_DK:
+        v_source = block_source(
+            V + batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
+            seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
+        v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM,
+                       BLOCK_D, True, HOLD_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -193,33 +261,35 @@ def attention_backward_dkdv(
                 dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
-                LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA)
+                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
+                BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
-                LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA)
+                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
+                BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
-                LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, USE_TMA)
+                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
+                BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
 
-    dk = dk * softmax_scale
-    if HAS_DROPOUT:
-        dv = dv * dropout_scale
-    store_tile(dK + batch64 * stride_dkb + head_k64 * stride_dkh + k_row0 * stride_dkn,
-               dk, offs_n, offs_d, stride_dkn, seqlen_k - start_n, HEAD_DIM, BLOCK_D)
-    store_tile(dV + batch64 * stride_dvb + head_k64 * stride_dvh + k_row0 * stride_dvn,
-               dv, offs_n, offs_d, stride_dvn, seqlen_k - start_n, HEAD_DIM, BLOCK_D)
+    if WANT_DK:
+        store_tile(dK + batch64 * stride_dkb + head_k64 * stride_dkh + k_row0 * stride_dkn,
+                   dk * softmax_scale, offs_n, offs_d, stride_dkn, seqlen_k - start_n, HEAD_DIM,
+                   BLOCK_D)
+    if WANT_DV:
+        if HAS_DROPOUT:
+            dv = dv * dropout_scale
+        store_tile(dV + batch64 * stride_dvb + head_k64 * stride_dvh + k_row0 * stride_dvn,
+                   dv, offs_n, offs_d, stride_dvn, seqlen_k - start_n, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit

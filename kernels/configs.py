@@ -34,6 +34,10 @@ class TileConfig:
     # That pays where registers run out (dK/dV from D = 128, dQ at 256); where the copy
     # is cheap, holding in registers measured faster (NOTES 17).
     hold_tma: bool = True
+    # dK/dV only: two programs a key block, one summing dV and one dK (each recomputes P,
+    # so five matmuls where one program does four). Pays where one program cannot hold
+    # both fp32 accumulators without spilling (D = 256, NOTES 19).
+    apart: bool = False
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by

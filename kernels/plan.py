@@ -618,7 +618,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                   v_strides: Shape | None = None, out_strides: Shape | None = None,
                   dout_strides: Shape | None = None, bias_strides: Shape | None = None,
                   bias_grad: bool = False, has_dlse: bool = True,
-                  tma: bool | None = None) -> BackwardPlan:
+                  tma: bool | None = None, apart: bool | None = None) -> BackwardPlan:
     """How to launch the backward: D = rowsum(dO * O) - dLSE, then dK/dV, then dQ.
 
     Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse (the LSE's
@@ -629,7 +629,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     ``tma`` overrides the table's choice of tensor-descriptor loads for the blocks the
     dK/dV and dQ kernels stream; the blocks they hold come through descriptors too where
     the entry's ``hold_tma`` says so. Either way a block read through descriptors needs
-    strides of whole 16-byte units.
+    strides of whole 16-byte units. ``apart`` overrides the dK/dV entry's choice of
+    programs apart for dK and dV (two a key block).
     """
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
@@ -669,14 +670,16 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     bias_grad = bool(bias_grad and p.bias_shape is not None)
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
                      bias_item=p.bias_item, causal=p.causal)
+    apart = kv.apart if apart is None else bool(apart)
     dkdv = Launch(
         kernel="attention_backward_dkdv",
-        grid=(_cdiv(p.seqlen_k, kv.block_n), p.heads_k, p.batch),
+        grid=(_cdiv(p.seqlen_k, kv.block_n) * (2 if apart else 1), p.heads_k, p.batch),
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dkv_st, *dkv_st),
         outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
         constexprs=constexprs(kv, **_tma_flags(kv, tma, capability, p.dtype,
-                                               streamed=(q_st, do_st), held=(k_st, v_st))),
+                                               streamed=(q_st, do_st), held=(k_st, v_st)),
+                              DKDV_APART=apart),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )

@@ -1,10 +1,14 @@
 """Shared test helpers: inputs, the flash-attn tolerance rule, the device."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 import fa_kernels.runtime as runtime
+from fa_kernels import configs
+from fa_kernels import plan as fa_plan
 
 from .reference import attention_reference
 
@@ -14,6 +18,22 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 # The absolute floor under the relative rule: for fp32 the framework's own error is
 # ~1e-7 and summation order alone moves results by more than 2x of that.
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 2e-5}
+
+
+def replace_entries(monkeypatch, kernels, **flags):
+    """Every GPU table entry of ``kernels`` (the interpreter's config on the CPU) with
+    ``flags`` set; the plans, cached, are made again."""
+    if ON_GPU:
+        for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_CAUSAL,
+                      configs._GPU_16BIT_SHORT, configs._GPU_16BIT_FEW_ROWS):
+            for key, cfg in list(table.items()):
+                if key[0] in kernels:
+                    monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
+    else:
+        monkeypatch.setattr(configs, "_INTERPRETER", dataclasses.replace(configs._INTERPRETER,
+                                                                         **flags))
+    fa_plan.forward_plan.cache_clear()
+    fa_plan.backward_plan.cache_clear()
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed=0,

@@ -3,7 +3,6 @@ in the forward and dQ, Q/dO in dK/dV): the same results as plain pointer loads, 
 option, both front ends, forward and backward. The interpreter runs the descriptor path
 too (the plan uses it from sm_90 on; these tests turn it on through the table or the
 plan)."""
-import dataclasses
 
 import pytest
 import torch
@@ -13,34 +12,18 @@ from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference,
                      check_with_every_option, forward_plan_jax, forward_plan_torch, random_qkv,
-                     run_jax, run_torch)
+                     replace_entries, run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
 HOPPER = CAPABILITY is None or CAPABILITY >= (9, 0)
 
 
-def _replace_entries(monkeypatch, kernels, **flags):
-    """Every GPU table entry of ``kernels`` (the interpreter's config on the CPU) with
-    ``flags`` set; the plans, cached, are made again."""
-    if ON_GPU:
-        for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_CAUSAL,
-                      configs._GPU_16BIT_SHORT, configs._GPU_16BIT_FEW_ROWS):
-            for key, cfg in list(table.items()):
-                if key[0] in kernels:
-                    monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
-    else:
-        monkeypatch.setattr(configs, "_INTERPRETER", dataclasses.replace(configs._INTERPRETER,
-                                                                         **flags))
-    fa_plan.forward_plan.cache_clear()
-    fa_plan.backward_plan.cache_clear()
-
-
 @pytest.fixture
 def descriptor_table(monkeypatch):
     """Every forward, dK/dV and dQ entry with descriptors."""
     flags = dict(tma=True)
-    _replace_entries(monkeypatch, ("forward", "dkdv", "dq"), **flags)
+    replace_entries(monkeypatch, ("forward", "dkdv", "dq"), **flags)
     yield flags
     fa_plan.forward_plan.cache_clear()
     fa_plan.backward_plan.cache_clear()
@@ -139,7 +122,7 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
 def test_descriptor_backward_gives_the_same_bits(monkeypatch, causal, hold):
     from fa_torch import _launch
 
-    _replace_entries(monkeypatch, ("dkdv", "dq"), tma=True, hold_tma=hold)
+    replace_entries(monkeypatch, ("dkdv", "dq"), tma=True, hold_tma=hold)
 
     seqlen = 700 if ON_GPU else 90
     q, k, v = random_qkv(2, seqlen, seqlen + 13, 4, 2, 64, "bfloat16", seed=12)
