@@ -74,7 +74,7 @@ def candidates(kernel: str, head_dim: int, dtype: str, capability):
             if kernel != "forward":
                 out.append(configs.TileConfig(bm, bn, warps, stages, tma=True, hold_tma=False))
     if kernel == "dkdv" and head_dim >= 256:  # dK and dV by programs apart, too
-        out += [dataclasses.replace(cfg, apart=True) for cfg in out]
+        out += [dataclasses.replace(cfg, apart=True) for cfg in out if cfg.tma and cfg.hold_tma]
     return out
 
 
