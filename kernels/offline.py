@@ -126,6 +126,9 @@ def variants(quick: bool):
                          alibi_shape=(4,), alibi_dtype="float32"), {})
             if dtype != "float32":
                 yield f"{dtype} D={head_dim} tma", check(shape, shape), dict(tma=True)
+                yield (f"{dtype} D={head_dim} dk dv apart",
+                       check(shape, gqa_kv, causal=True, softcap=30.0, dropout_p=0.1),
+                       dict(apart=True))
                 yield (f"{dtype} D={head_dim} decode packed split",
                        check((2, 1, 8, head_dim), (2, 8192, 2, head_dim)),
                        dict(num_splits=4))
@@ -143,10 +146,11 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     limit = configs.shared_memory_limit(capability)
     failures = 0
     for name, problem, options in variants(quick):
-        fwd = fa_plan.forward_plan(problem, capability=capability, **options)
+        fwd = fa_plan.forward_plan(problem, capability=capability,
+                                   **{k: v for k, v in options.items() if k != "apart"})
         bwd = fa_plan.backward_plan(problem, capability=capability,
                                     bias_grad=problem.bias_shape is not None,
-                                    **{k: v for k, v in options.items() if k == "tma"})
+                                    **{k: v for k, v in options.items() if k in ("tma", "apart")})
         dtypes = input_dtypes(problem, (fwd, bwd))
         for launch in (*fwd.launches, *bwd.launches):
             start = time.time()
