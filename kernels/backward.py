@@ -349,7 +349,6 @@ def attention_backward_dq(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr, USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -366,10 +365,7 @@ def attention_backward_dq(
     stride_dqb = aligned(stride_dqb, STRIDES_ALIGNED)
     stride_dqm = aligned(stride_dqm, STRIDES_ALIGNED)
     stride_dqh = aligned(stride_dqh, STRIDES_ALIGNED)
-    block = tl.program_id(0)
-    if HEAVY_FIRST:  # causal: later blocks see more keys; start them first, for a short tail
-        block = tl.num_programs(0) - 1 - block
-    start_m = block * BLOCK_M
+    start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_k = tl.cast(head // GROUP_SIZE, tl.int64)

@@ -78,7 +78,7 @@ def attention_forward(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, USE_TMA: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, LAZY_RESCALE: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -95,8 +95,6 @@ def attention_forward(
     # Split-KV: programs (block, split) share a query block, each over a slice of the keys,
     # and write partial results that attention_forward_combine merges.
     block = tl.program_id(0)
-    if HEAVY_FIRST:  # causal: later blocks see more keys; start them first, for a short tail
-        block = tl.num_programs(0) - 1 - block
     split = 0
     if SPLIT_KV:
         split = block % num_splits

@@ -478,13 +478,6 @@ def _feature_constexprs(p: AttentionProblem) -> dict:
 LAZY_RESCALE = True
 
 
-def heavy_first(p: AttentionProblem) -> bool:
-    """Run the query blocks last to first (forward, dQ): with a right window edge and no
-    left one (causal), a later block sees more keys, and starting the longest programs
-    first leaves the grid a short tail. The same programs compute the same values."""
-    return p.window_right >= 0 and p.window_left < 0
-
-
 def fold_scale(p: AttentionProblem) -> bool:
     """The forward may take the row max over raw q·k and scale inside exp2 (one FMA an
     element): the scores are plain (no softcap, bias or ALiBi) and the scale is > 0."""
@@ -590,8 +583,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
                         PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma,
-                        FOLD_SCALE=fold_scale(p), LAZY_RESCALE=LAZY_RESCALE,
-                        HEAVY_FIRST=heavy_first(p)),
+                        FOLD_SCALE=fold_scale(p), LAZY_RESCALE=LAZY_RESCALE),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -694,7 +686,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dq_st, *dbias_st),
         outputs=(Output("dq", p.q_shape, p.dtype), dbias),
-        constexprs=constexprs(qc, HAS_DBIAS=bias_grad, HEAVY_FIRST=heavy_first(p),
+        constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
                               **_tma_flags(qc, tma, capability, p.dtype,
                                            streamed=(k_st, v_st), held=(q_st, do_st))),
         num_warps=qc.num_warps,

@@ -139,19 +139,6 @@ def test_scale_folded_into_exp2_only_where_it_commutes_with_the_max(options, fol
     assert launch.constexprs["FOLD_SCALE"] is folded
 
 
-@pytest.mark.parametrize("options, reversed_", [
-    ({}, False), (dict(causal=True), True), (dict(window_size=(-1, 4)), True),
-    (dict(causal=True, window_size=(8, 0)), False), (dict(window_size=(8, -1)), False)])
-def test_query_blocks_run_longest_first_only_where_later_blocks_see_more_keys(options,
-                                                                             reversed_):
-    # Only the order of the programs changes (causal: the last query block is the longest).
-    fwd = plan.forward_plan(problem(**options), capability=(9, 0)).launch
-    bwd = plan.backward_plan(problem(**options), capability=(9, 0))
-    assert fwd.constexprs["HEAVY_FIRST"] is reversed_
-    assert bwd.dq.constexprs["HEAVY_FIRST"] is reversed_
-    assert "HEAVY_FIRST" not in bwd.dkdv.constexprs  # its first key block is the longest
-
-
 def test_causal_is_window_right_zero():
     p = problem(causal=True, window_size=(5, 7))
     assert (p.window_left, p.window_right) == (5, 0)
