@@ -26,8 +26,7 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
             LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
             HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr,
-            LAZY_RESCALE: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr):
     """Fold the key block starting at ``start_n`` into the running softmax."""
     cols = start_n + offs_n
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
@@ -42,19 +41,13 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
     if MASKED:
         s = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
                              window_right, LIMIT_LEFT, LIMIT_RIGHT), s, float("-inf"))
-    m_i, l_i, p, alpha, rescale = softmax_step(m_i, l_i, s, qk_scale, MASKED, FOLD_SCALE,
-                                               LAZY_RESCALE)
+    m_i, l_i, p, alpha = softmax_step(m_i, l_i, s, qk_scale, MASKED, FOLD_SCALE)
     if HAS_DROPOUT:  # l keeps the undropped sum: dropout acts on normalised probabilities
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
     v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
                    MASKED, USE_TMA)
-    if LAZY_RESCALE:
-        if rescale:
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -78,7 +71,7 @@ def attention_forward(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, USE_TMA: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -164,7 +157,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, FOLD_SCALE, LAZY_RESCALE)
+            USE_TMA, FOLD_SCALE)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -172,7 +165,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, FOLD_SCALE, LAZY_RESCALE)
+            USE_TMA, FOLD_SCALE)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -180,7 +173,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, FOLD_SCALE, LAZY_RESCALE)
+            USE_TMA, FOLD_SCALE)
 
     # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0.
     seen = l_i > 0.0

@@ -13,10 +13,6 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# The softmax's reference max moves only when some row's max grew by more than this (base
-# 2): probabilities against an older max stay <= 2^8, as precise in fp32 and after
-# rounding to bf16/fp16 as any other value (softmax_step).
-RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -296,30 +292,19 @@ def load_seed(Seed, batch, head, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(m_i, l_i, s, qk_scale, MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr,
-                 LAZY_RESCALE: tl.constexpr):
+def softmax_step(m_i, l_i, s, qk_scale, MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr):
     """One online-softmax step in base 2 over a block of scores ``s``.
 
     With ``FOLD_SCALE``, ``s`` is the raw q·k and ``qk_scale`` (> 0, so it commutes with
     the max) is applied inside exp2's argument, one FMA an element where scaling first
-    took a multiply and a subtract. With ``LAZY_RESCALE`` (FA4's trick) the reference max
-    moves, for every row, only when some row's max grew by more than ``RESCALE_LOG2``, so
-    most blocks need no rescale of what was accumulated. Returns the new reference max,
-    the new running sum, the block's unnormalised probabilities, the factor that rescales
-    what was accumulated before, and whether that rescale is needed (a scalar; used only
-    with ``LAZY_RESCALE``).
+    took a multiply and a subtract. Returns the new running max, the new running sum,
+    the block's unnormalised probabilities and the factor that rescales what was
+    accumulated before.
     """
     if FOLD_SCALE:
-        m_seen = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
-        m_seen = tl.maximum(m_i, tl.max(s, 1))
-    # A row's first visible key grows its max from -inf (~ -3e38 here, so that a row with
-    # none yet gives -inf, not -inf - -inf): always a rescale.
-    rescale = tl.max(m_seen - tl.maximum(m_i, -3.0e38), 0) > RESCALE_LOG2
-    if LAZY_RESCALE:
-        m_new = tl.where(rescale, m_seen, m_i)
-    else:
-        m_new = m_seen
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
         # A row may have seen no key yet (all -inf): exp2(-inf - -inf) would be NaN.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -331,7 +316,7 @@ def softmax_step(m_i, l_i, s, qk_scale, MASKED: tl.constexpr, FOLD_SCALE: tl.con
         p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_new = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_new, p, alpha, rescale
+    return m_new, l_new, p, alpha
 
 
 @triton.jit

@@ -474,10 +474,6 @@ def _feature_constexprs(p: AttentionProblem) -> dict:
                 HAS_DROPOUT=p.dropout_p > 0)
 
 
-# The forward's running max moves only when it grew by more than 2^8 (softmax_step).
-LAZY_RESCALE = True
-
-
 def fold_scale(p: AttentionProblem) -> bool:
     """The forward may take the row max over raw q·k and scale inside exp2 (one FMA an
     element): the scores are plain (no softcap, bias or ALiBi) and the scale is > 0."""
@@ -583,7 +579,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
                         PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma,
-                        FOLD_SCALE=fold_scale(p), LAZY_RESCALE=LAZY_RESCALE),
+                        FOLD_SCALE=fold_scale(p)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
