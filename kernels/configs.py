@@ -42,8 +42,8 @@ class TileConfig:
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
 # benchmarks/tune.py (2026-12-03; B*S = 16384 at S = 4096, causal and not; times in
-# benchmarks/NOTES.md). Head dims under 64 take the 64 entries. The D = 64 and 128 forward
-# entries read K/V through tensor descriptors (fourth session: 1.083 / 0.633 ms against
+# benchmarks/NOTES.md). Head dims under 64 take the 64 entries. The forward entries from
+# D = 64 read K/V through tensor descriptors (fourth session: 1.083 / 0.633 ms against
 # 1.196 / 0.684 for (128, 64, 8, 4) at D = 128; 1.327 / 0.734 against 1.356 / 0.739 at 64).
 # So do the dK/dV entries at D = 64 and 128 (Q/dO) and dQ at 128 (K/V), from
 # `tune.py --kernels dkdv,dq --head-dims 128,64` (fifth session; NOTES 16): dK/dV D = 128
@@ -61,17 +61,21 @@ class TileConfig:
 # `tune.py --tma-only --kernels dkdv,dq --head-dims 64,128` (seventh session; NOTES 18)
 # kept those two and the D = 128 dK/dV entry, and moved dQ at D = 64 to descriptors
 # (holding Q/dO through them): 1.411 / 0.787 ms against the pointer entry's 1.452 / 0.799.
+# `tune.py --tma-only --kernels forward,dkdv --head-dims 256` (eighth session; NOTES 19):
+# the D = 256 forward through descriptors 1.118 / 0.660 ms against 1.276 / 0.747 with
+# pointer loads; D = 256 dK/dV by programs apart (one for dV, one for dK) 3.052 / 1.663
+# against 3.729 / 2.546 for one program holding both accumulators.
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
     ("forward", 64): TileConfig(64, 128, 4, 2, tma=True),
     ("forward", 128): TileConfig(128, 64, 4, 2, tma=True),
-    ("forward", 256): TileConfig(128, 64, 8, 2),
+    ("forward", 256): TileConfig(128, 64, 8, 2, tma=True),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
     ("dkdv", 64): TileConfig(64, 64, 4, 3, tma=True, hold_tma=False),
     ("dkdv", 128): TileConfig(64, 64, 4, 2, tma=True),
-    ("dkdv", 256): TileConfig(64, 64, 8, 2, tma=True),
+    ("dkdv", 256): TileConfig(32, 128, 8, 2, tma=True, apart=True),
     ("dq", 16): TileConfig(128, 64, 8, 3),
     ("dq", 32): TileConfig(128, 64, 8, 3),
     ("dq", 64): TileConfig(128, 64, 4, 3, tma=True),
@@ -108,6 +112,9 @@ _GPU_16BIT_CAUSAL = {
     # tune.py --tma-only --kernels dkdv (H200, 2026-12-03): 1.169 ms against the main
     # entry's 1.266 (non-causal 2.773 against 1.972).
     ("dkdv", 128): TileConfig(32, 64, 4, 3, tma=True),
+    # tune.py --tma-only --kernels forward,dkdv --head-dims 256 (eighth session): 1.547 ms
+    # against the main entry's 1.663.
+    ("dkdv", 256): TileConfig(32, 128, 8, 3, tma=True, apart=True),
 }
 _GPU_32BIT_CAUSAL: dict = {}
 

@@ -241,8 +241,10 @@ def test_causal_entries():
         assert cfg != main
         assert configs.table_entry(kernel, block_d, "bfloat16", 4096, 4096, True) == cfg
         assert configs.table_entry(kernel, block_d, "bfloat16", 4096, 4096, False) == main
-        short = configs.table_entry(kernel, block_d, "bfloat16", 512, 512, False)
-        assert configs.table_entry(kernel, block_d, "bfloat16", 512, 512, True) == short
+        if any(k == kernel and d == block_d and bucket >= 512
+               for (k, d, bucket) in configs.tables("bfloat16")[1]):  # a short entry
+            short = configs.table_entry(kernel, block_d, "bfloat16", 512, 512, False)
+            assert configs.table_entry(kernel, block_d, "bfloat16", 512, 512, True) == short
         shape = (1, 4096, 2, block_d)
         for causal, want in ((True, cfg), (False, main)):
             p = plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16",
