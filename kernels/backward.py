@@ -128,7 +128,7 @@ def attention_backward_dkdv(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, DKDV_APART: tl.constexpr,
+    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, DKDV_PARTS: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -148,11 +148,10 @@ def attention_backward_dkdv(
     stride_dvb = aligned(stride_dvb, STRIDES_ALIGNED)
     stride_dvn = aligned(stride_dvn, STRIDES_ALIGNED)
     stride_dvh = aligned(stride_dvh, STRIDES_ALIGNED)
-    # DKDV_APART: two programs a key block, one for dV, one for dK (each recomputes P):
-    # where one program cannot hold both accumulators without spilling (D = 256; NOTES 19).
-    block = tl.program_id(0)
-    if DKDV_APART:
-        block = block // 2
+    # DKDV_PARTS = 2: two programs a key block, the even one sums dV and the odd one dK
+    # (each recomputes P), where one program cannot hold both accumulators without
+    # spilling (D = 256; NOTES 19). 1: one program sums both.
+    block = tl.program_id(0) // DKDV_PARTS
     start_n = block * BLOCK_N
     head_k = tl.program_id(1)
     batch = tl.program_id(2)
@@ -161,8 +160,8 @@ def attention_backward_dkdv(
     if start_n >= seqlen_k:  # past this sequence's keys (varlen): no row of dK, dV to write,
         return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)
-    if DKDV_APART:
-        if tl.program_id(0) % 2 == 0:
+    for part in tl.static_range(DKDV_PARTS):  # each part its own specialised loop
+        if tl.program_id(0) % DKDV_PARTS == part:
             _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
                         batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
                         qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
@@ -172,29 +171,8 @@ def attention_backward_dkdv(
                         stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
                         stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                         GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, False, True)
-        else:
-            _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
-                        batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
-                        qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
-                        window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
-                        stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
-                        stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
-                        stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
-                        stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                        GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, True, False)
-    else:
-        _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
-                    batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
-                    qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
-                    window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
-                    stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
-                    stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
-                    stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
-                    stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                    GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                    HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, True, True)
+                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA,
+                        WANT_DK=part == DKDV_PARTS - 1, WANT_DV=part == 0)
 
 
 @triton.jit
@@ -226,13 +204,14 @@ def _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, 
     k_row0 = k_start + tl.cast(start_n, tl.int64)
     k_source = block_source(K + batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn,
                             seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
-    k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   True, HOLD_TMA)
-    v = k  # dV's programs apart (WANT_DK off) do not read V
-    if WANT_DK:
+    if WANT_DK:  # V is read for dK only
         v_source = block_source(
             V + batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
             seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
+    k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
+                   True, HOLD_TMA)
+    v = k
+    if WANT_DK:
         v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM,
                        BLOCK_D, True, HOLD_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)

@@ -667,7 +667,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
         constexprs=constexprs(kv, **_tma_flags(kv, tma, capability, p.dtype,
                                                streamed=(q_st, do_st), held=(k_st, v_st)),
-                              DKDV_APART=apart),
+                              DKDV_PARTS=2 if apart else 1),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
