@@ -4,8 +4,8 @@ with constexprs overridden, on the bench shapes (GPU), with the outputs compared
     python benchmarks/ab.py --kernel forward --variant LAZY_RESCALE=0 [--variant ...]
                             [--shape 4,4096,16,16,128,0 ...] [--dtype bfloat16]
 
-Each ``--variant`` is NAME=VALUE[,NAME=VALUE...] (ints; 0/1 for flags; not the block size
-the grid is cut by: BLOCK_M of the forward and dQ, BLOCK_N of dK/dV). The first row of
+Each ``--variant`` is NAME=VALUE[,NAME=VALUE...] (ints; 0/1 for flags; not what the grid
+is cut by: BLOCK_M of the forward and dQ, BLOCK_N and DKDV_PARTS of dK/dV). The first row of
 each shape is the plan's own launch; the others print their time and the largest
 difference of their outputs from it (the same arithmetic in another order gives ~1 ulp).
 Inputs, launches and the outputs compared are tune.py's. Without a GPU it runs the
