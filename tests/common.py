@@ -123,6 +123,13 @@ def run_jax(q, k, v, dout, bias=None, alibi_slopes=None, **options):
     return from_numpy(out), from_numpy(lse), [from_numpy(g) for g in grads]
 
 
+def launch_arrays(q, k, v, **given):
+    """The arrays a plan's launches read, by name: q, k, v, what is ``given``, and None
+    for the optional inputs not given (bias, slopes, seed, cu_seqlens_*)."""
+    return {"q": q, "k": k, "v": v, "bias": None, "slopes": None, "seed": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None, **given}
+
+
 def forward_plan_torch(fwd, arrays):
     """Run a forward plan's launches through fa_torch's launcher: (out, lse)."""
     from fa_torch import _launch

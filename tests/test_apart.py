@@ -7,7 +7,8 @@ import torch
 from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
-                     forward_plan_torch, random_qkv, replace_entries, run_jax, run_torch)
+                     forward_plan_torch, launch_arrays, random_qkv, replace_entries, run_jax,
+                     run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
@@ -57,9 +58,8 @@ def test_apart_gives_the_same_bits(causal):
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q)
     problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
                                     "bfloat16", causal=causal, dropout_p=0.1)
-    arrays = dict(q=q, k=k, v=v, bias=None, slopes=None, cu_seqlens_q=None,
-                  cu_seqlens_k=None, seed=torch.tensor([7, 0, 0, 0], dtype=torch.int32,
-                                                       device=DEVICE))
+    arrays = launch_arrays(q, k, v, seed=torch.tensor([7, 0, 0, 0], dtype=torch.int32,
+                                                      device=DEVICE))
     out, lse = forward_plan_torch(fa_plan.forward_plan(problem, capability=CAPABILITY), arrays)
     grads = {}
     for apart in (False, True):

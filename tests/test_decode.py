@@ -14,7 +14,7 @@ from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference,
                      check_with_every_option, forward_plan_jax, forward_plan_torch, from_numpy,
-                     random_qkv, reference_grads, run_jax, run_torch, to_numpy)
+                     launch_arrays, random_qkv, reference_grads, run_jax, run_torch, to_numpy)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 
@@ -72,8 +72,7 @@ def test_split_kv_forward(case, num_splits):
     fwd = fa_plan.forward_plan(problem, capability=None if not ON_GPU else
                                torch.cuda.get_device_capability(), num_splits=num_splits)
     assert fwd.num_splits == num_splits and len(fwd.launches) == 2
-    arrays = {"q": q, "k": k, "v": v, "bias": None, "slopes": None, "seed": None,
-              "cu_seqlens_q": None, "cu_seqlens_k": None}
+    arrays = launch_arrays(q, k, v)
     out, lse = forward_plan_torch(fwd, arrays)
     causal = options.get("causal", False)
     window = options.get("window_size", (-1, -1))

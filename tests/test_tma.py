@@ -11,8 +11,8 @@ from fa_kernels import configs, launcher
 from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference,
-                     check_with_every_option, forward_plan_jax, forward_plan_torch, random_qkv,
-                     replace_entries, run_jax, run_torch)
+                     check_with_every_option, forward_plan_jax, forward_plan_torch,
+                     launch_arrays, random_qkv, replace_entries, run_jax, run_torch)
 
 RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
@@ -91,11 +91,6 @@ def test_descriptor_varlen_with_an_empty_sequence(descriptor_table, front, causa
         assert_close_to_reference(name, g, t, f, "bfloat16", factor=3.0)
 
 
-def _arrays(q, k, v):
-    return {"q": q, "k": k, "v": v, "bias": None, "slopes": None, "seed": None,
-            "cu_seqlens_q": None, "cu_seqlens_k": None}
-
-
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -109,10 +104,10 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     plain, tma = (fa_plan.forward_plan(problem, capability=CAPABILITY, tma=flag,
                                        num_splits=num_splits) for flag in (False, True))
     assert tma.launch.constexprs["USE_TMA"] and not plain.launch.constexprs["USE_TMA"]
-    out, lse = forward_plan_torch(tma, _arrays(q, k, v))
-    p_out, p_lse = forward_plan_torch(plain, _arrays(q, k, v))
+    out, lse = forward_plan_torch(tma, launch_arrays(q, k, v))
+    p_out, p_lse = forward_plan_torch(plain, launch_arrays(q, k, v))
     assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
-    j_out, j_lse = forward_plan_jax(tma, _arrays(q, k, v))
+    j_out, j_lse = forward_plan_jax(tma, launch_arrays(q, k, v))
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
 
 
@@ -130,7 +125,7 @@ def test_descriptor_backward_gives_the_same_bits(monkeypatch, causal, hold):
     problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
                                     "bfloat16", causal=causal)
     out, lse = forward_plan_torch(fa_plan.forward_plan(problem, capability=CAPABILITY),
-                              _arrays(q, k, v))
+                              launch_arrays(q, k, v))
     grads = {}
     for flag in (False, True):
         bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, tma=flag, has_dlse=False)
@@ -139,7 +134,7 @@ def test_descriptor_backward_gives_the_same_bits(monkeypatch, causal, hold):
         if flag:  # the launcher's fallback for unaligned arrays turns both off
             plain = launcher.without_tma(bwd.dkdv).constexprs
             assert not plain["USE_TMA"] and not plain["HOLD_TMA"]
-        arrays = dict(_arrays(q, k, v), out=out, lse=lse, dout=dout)
+        arrays = launch_arrays(q, k, v, out=out, lse=lse, dout=dout)
         for launch in bwd.launches:
             _launch.run(launch, arrays, DEVICE)
         grads[flag] = [arrays[name] for name in ("dq", "dk", "dv")]
@@ -168,9 +163,9 @@ def test_unaligned_keys_fall_back_to_pointer_loads():
     fitted = launcher.fit_to_arrays(tma.launch, inputs)
     assert not fitted.constexprs["USE_TMA"] and fitted.grid == tma.launch.grid
     assert launcher.fit_to_arrays(tma.launch, [q, k, v]) is tma.launch
-    out, lse = forward_plan_torch(tma, _arrays(q, k_view, v))
+    out, lse = forward_plan_torch(tma, launch_arrays(q, k_view, v))
     plain = fa_plan.forward_plan(problem, capability=CAPABILITY, tma=False)
-    p_out, p_lse = forward_plan_torch(plain, _arrays(q, k, v))
+    p_out, p_lse = forward_plan_torch(plain, launch_arrays(q, k, v))
     assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
 
 
