@@ -658,16 +658,16 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     bias_grad = bool(bias_grad and p.bias_shape is not None)
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
                      bias_item=p.bias_item, causal=p.causal)
-    apart = kv.apart if apart is None else bool(apart)
+    parts = 2 if (kv.apart if apart is None else apart) else 1  # dV and dK apart: two
     dkdv = Launch(
         kernel="attention_backward_dkdv",
-        grid=(_cdiv(p.seqlen_k, kv.block_n) * (2 if apart else 1), p.heads_k, p.batch),
+        grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dkv_st, *dkv_st),
         outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
         constexprs=constexprs(kv, **_tma_flags(kv, tma, capability, p.dtype,
                                                streamed=(q_st, do_st), held=(k_st, v_st)),
-                              DKDV_PARTS=2 if apart else 1),
+                              DKDV_PARTS=parts),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
     )
