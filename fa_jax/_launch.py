@@ -23,6 +23,7 @@ comparison when it is installed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import json
@@ -190,6 +191,29 @@ def _external_stream(stream: int, device: int):
     return torch.cuda.ExternalStream(stream, device=torch.device("cuda", device))
 
 
+_SCRATCH: dict = {}  # (device, stream) -> torch int8 tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _scratch_on(device: int, stream: int):
+    """Scratch for the kernels that build tensor descriptors, launched on XLA's
+    ``stream``: one buffer a stream, grown as launches need. Launches on one stream run
+    one after another, so a launch may reuse the memory of the one before it, with no
+    allocation a launch; a grown buffer comes from torch's allocator on that stream, so
+    the memory it replaces is reused only after the launches queued there."""
+    def allocate(size: int, alignment: int, _stream):
+        buffer = _SCRATCH.get((device, stream))
+        if buffer is None or buffer.numel() < size:
+            import torch
+
+            with torch.cuda.device(device), torch.cuda.stream(_external_stream(stream, device)):
+                buffer = torch.empty(max(size, 2 * (0 if buffer is None else buffer.numel())),
+                                     dtype=torch.int8, device=torch.device("cuda", device))
+            _SCRATCH[(device, stream)] = buffer
+        return buffer
+    return allocate
+
+
 def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
     launch = outputs = None
     try:
@@ -197,7 +221,6 @@ def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
         import torch
 
         from fa_kernels import launcher
-        from fa_torch import _launch as torch_launch
 
         n_operands = len(operands)
         args = [_DevicePointer(buffers[i] or 0, dtype)
@@ -205,8 +228,12 @@ def _launch_on_gpu(stream, buffers, opaque, opaque_len, status):
         outputs = [_DevicePointer(buffers[n_operands + j] or 0, o.dtype)
                    for j, o in enumerate(launch.outputs)]
         device = _device_of(args[0].address)
-        with torch.cuda.device(device), torch.cuda.stream(_external_stream(stream or 0, device)):
-            launcher.launch(launch, args, outputs, device, torch_launch.scratch)
+        stream = stream or 0
+        # The launch goes to XLA's stream directly (no current-stream switch); the device
+        # must be current for the kernel's first load onto it.
+        with (contextlib.nullcontext() if torch.cuda.current_device() == device
+              else torch.cuda.device(device)):
+            launcher.launch(launch, args, outputs, device, _scratch_on(device, stream), stream)
     except BaseException as error:  # noqa: BLE001  (nothing may unwind into XLA)
         _report(launch, error)
         for pointer, o in zip(outputs or [], launch.outputs if launch else []):

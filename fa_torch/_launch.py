@@ -84,6 +84,6 @@ def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> No
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Device scratch for kernels that build tensor descriptors (128 bytes each a program),
-    from torch's caching allocator on the current device and stream (fa_jax's launches
-    too: they run with XLA's stream made current)."""
+    from torch's caching allocator on the current device and stream (fa_jax keeps one
+    buffer for each XLA stream instead: fa_jax/_launch.py)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -2,6 +2,8 @@
 
 On the GPU every test launches through it; here a stand-in JIT kernel checks the
 bookkeeping: what is cached, what makes a new specialisation, the argument order."""
+import pytest
+
 from fa_kernels import launcher, plan, registry
 
 
@@ -18,7 +20,9 @@ class Compiled:
         self.calls = calls
 
     def __getitem__(self, grid):
-        return lambda *args: self.calls.append(("compiled", grid, args))
+        def run(*args, stream=None):
+            self.calls.append(("compiled", grid, args) + ((stream,) if stream is not None else ()))
+        return run
 
 
 class Jit:
@@ -34,15 +38,23 @@ class Jit:
             return self.compiled
         return run
 
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("warmup", grid, args, kwargs))
+        return self.compiled
 
-def test_compiled_kernel_reused_per_specialisation(monkeypatch):
-    calls = []
+
+def stand_in(monkeypatch, calls):
     monkeypatch.setitem(registry.KERNELS, "stand_in", Jit(calls))
     monkeypatch.setattr(launcher, "_COMPILED_TYPE", Compiled)
     monkeypatch.setattr(launcher, "_COMPILED", {})
-    launch = plan.Launch(kernel="stand_in", grid=(3, 2, 1), inputs=("a", "b"), scalars=(0.5, 7),
-                         outputs=(plan.Output("out", (4,), "bfloat16"),),
-                         constexprs=dict(FLAG=True, BLOCK=64), num_warps=4, num_stages=2)
+    return plan.Launch(kernel="stand_in", grid=(3, 2, 1), inputs=("a", "b"), scalars=(0.5, 7),
+                       outputs=(plan.Output("out", (4,), "bfloat16"),),
+                       constexprs=dict(FLAG=True, BLOCK=64), num_warps=4, num_stages=2)
+
+
+def test_compiled_kernel_reused_per_specialisation(monkeypatch):
+    calls = []
+    launch = stand_in(monkeypatch, calls)
     a, b, out = Array(256), Array(512), Array(1024)
     launcher.launch(launch, [a, b], [out], 0)
     assert calls[-1] == ("jit", (3, 2, 1), (a, b, 0.5, 7, out),
@@ -57,3 +69,26 @@ def test_compiled_kernel_reused_per_specialisation(monkeypatch):
     assert sum(c[0] == "jit" for c in calls) == jit_calls + 3
     launcher.launch(launch, [Array(4096), Array(8192)], [Array(2048)], 0)  # same kind: reused
     assert calls[-1][0] == "compiled"
+
+
+def test_given_stream_compiles_without_launching_then_launches_on_it(monkeypatch):
+    # fa_jax launches on XLA's stream, which is not the current one: the JIT (which
+    # launches on the current stream) may only compile, every launch goes to that stream.
+    calls = []
+    launch = stand_in(monkeypatch, calls)
+    a, b, out = Array(256), Array(512), Array(1024)
+    launcher.launch(launch, [a, b], [out], 0, stream=0xABC)
+    assert [c[0] for c in calls] == ["warmup", "compiled"]
+    assert calls[0] == ("warmup", (3, 2, 1), (a, b, 0.5, 7, out),
+                        dict(num_warps=4, num_stages=2, FLAG=True, BLOCK=64))
+    assert calls[1] == ("compiled", (3, 2, 1), (a, b, 0.5, 7, out, 64, True), 0xABC)
+    launcher.launch(launch, [a, b], [out], 0, stream=0xDEF)
+    assert calls[2:] == [("compiled", (3, 2, 1), (a, b, 0.5, 7, out, 64, True), 0xDEF)]
+
+
+def test_given_stream_refuses_the_interpreter(monkeypatch):
+    calls = []
+    launch = stand_in(monkeypatch, calls)
+    monkeypatch.setattr(Jit, "warmup", lambda self, *args, grid, **kwargs: None)
+    with pytest.raises(RuntimeError, match="interpreter"):
+        launcher.launch(launch, [Array(256), Array(512)], [Array(1024)], 0, stream=0xABC)
