@@ -59,27 +59,65 @@ def bench_torch(fn):
                                    return_mode="median")
 
 
-def bench_jax(fn, args, rounds=9, round_ms=25.0):
-    """Median over rounds of (time of back-to-back calls) / calls, in ms. A round holds
+def time_loop(call, sync, rounds=9, round_ms=25.0):
+    """Median over rounds of (wall time of back-to-back calls and one final sync) / calls,
+    in ms: what a training loop sees, host time between launches included. A round holds
     at least 20 calls and about ``round_ms`` of work, so that the dispatch of its first
-    call and the final sync weigh little even for calls of a fraction of a millisecond
-    (with a fixed 20 calls a round, short calls read a few percent slow and noisy)."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
+    call and the final sync weigh little even for calls of a fraction of a millisecond.
+    ``sync(result)`` waits for the device. fa_jax is timed this way (jax has no
+    per-launch events), and fa_torch too, so that the two front ends compare alike."""
+    sync(call())
     start = time.perf_counter()
     for _ in range(3):
-        out = fn(*args)
-    jax.block_until_ready(out)
+        out = call()
+    sync(out)
     estimate = (time.perf_counter() - start) / 3 * 1e3
     reps = max(20, math.ceil(round_ms / max(estimate, 1e-3)))
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
+            out = call()
+        sync(out)
         times.append((time.perf_counter() - start) / reps * 1e3)
+    return statistics.median(times)
+
+
+def bench_jax(fn, args):
+    import jax
+
+    return time_loop(lambda: fn(*args), jax.block_until_ready)
+
+
+def jitted_loop(fn, iters):
+    """``fn(q, k, v, dout)`` called ``iters`` times inside one jitted ``fori_loop``: no
+    Python between the launches. One element of every result feeds the next call's q,
+    so XLA can neither hoist a call out of the loop nor drop one as dead code."""
+    import jax
+    import jax.numpy as jnp
+
+    def looped(q, k, v, dout):
+        def body(i, carry):
+            q, acc = carry
+            for leaf in jax.tree_util.tree_leaves(fn(q, k, v, dout)):
+                acc = acc + leaf[0, 0, 0, 0].astype(jnp.float32)
+            return q.at[0, 0, 0, 0].set((acc * 0).astype(q.dtype) + q[0, 0, 0, 0]), acc
+        return jax.lax.fori_loop(0, iters, body, (q, jnp.float32(0)))[1]
+    return jax.jit(looped)
+
+
+def bench_jitted_loop(fn, args, per_call_ms, rounds=5, round_ms=25.0):
+    """ms a call of ``fn`` inside one jitted loop of about ``round_ms`` of work."""
+    import jax
+
+    iters = max(20, math.ceil(round_ms / max(per_call_ms, 1e-3)))
+    loop = jitted_loop(fn, iters)
+    jax.block_until_ready(loop(*args))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        times.append((time.perf_counter() - start) / iters * 1e3)
     return statistics.median(times)
 
 
@@ -108,7 +146,9 @@ def torch_impls():
     return impls
 
 
-def run_torch_impl(fn, layout, shape, dtype, causal, mode):
+def run_torch_impl(fn, layout, shape, dtype, causal, mode, loop=False):
+    """{"ms": do_bench's median, "peak": GiB, and with ``loop`` "loop_ms": the same
+    calls timed as fa_jax is (``time_loop``)}."""
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -132,9 +172,10 @@ def run_torch_impl(fn, layout, shape, dtype, causal, mode):
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    ms = bench_torch(step)
-    peak = torch.cuda.max_memory_allocated() / 2 ** 30
-    return ms, peak
+    result = {"ms": bench_torch(step), "peak": torch.cuda.max_memory_allocated() / 2 ** 30}
+    if loop:
+        result["loop_ms"] = time_loop(step, lambda _: torch.cuda.synchronize())
+    return result
 
 
 # ------------------------------------------------------------------------------ jax side
@@ -164,7 +205,9 @@ def jax_impls():
     return impls
 
 
-def run_jax_impl(fn, shape, dtype, causal, mode):
+def run_jax_impl(fn, shape, dtype, causal, mode, jitted=False):
+    """{"ms": ``time_loop``'s median, and with ``jitted`` "jit_loop_ms": a call inside
+    one jitted loop}."""
     import jax
     import jax.numpy as jnp
 
@@ -182,7 +225,12 @@ def run_jax_impl(fn, shape, dtype, causal, mode):
             out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, causal), q, k, v)
             return vjp(dout)
         step = jax.jit(fwd_bwd)
-    return bench_jax(step, (q, k, v, dout)), float("nan")
+    args = (q, k, v, dout)
+    result = {"ms": bench_jax(step, args), "peak": float("nan")}
+    if jitted:
+        call = (lambda q, k, v, dout: fn(q, k, v, causal)) if mode == "fwd" else fwd_bwd
+        result["jit_loop_ms"] = bench_jitted_loop(call, args, result["ms"])
+    return result
 
 
 # ---------------------------------------------------------------------------------- main
@@ -304,19 +352,21 @@ def main():
         result = {}
         for name, (fn, layout) in t_impls.items():
             try:
-                result[name] = run_torch_impl(fn, layout, shape, dtype, causal, mode)
+                result[name] = run_torch_impl(fn, layout, shape, dtype, causal, mode,
+                                              loop=name == "fa_torch")
             except Exception as exc:  # noqa: BLE001  (a peer that cannot run this shape)
                 print(f"{name} {shape} {mode}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
         for name, fn in j_impls.items():
             try:
-                result[name] = run_jax_impl(fn, shape, dtype, causal, mode)
+                result[name] = run_jax_impl(fn, shape, dtype, causal, mode,
+                                            jitted=name == "fa_jax")
             except Exception as exc:  # noqa: BLE001
                 print(f"{name} {shape} {mode}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
         f = flops(b, hq, sq, sk, d, causal, mode)
         rows.append(((b, sq, sk, hq, hk, d, causal, mode),
-                     {n: (f / (ms * 1e-3) / 1e12, ms, peak) for n, (ms, peak) in result.items()}))
+                     {n: dict(r, tflops=f / (r["ms"] * 1e-3) / 1e12) for n, r in result.items()}))
     names = list(t_impls) + list(j_impls)
-    table = render(rows, names, args)
+    table = render(rows, names, args) + render_front_ends(rows)
     if args.memory:
         table += memory_table()
     with open(os.path.join(args.out, "RESULTS.md"), "w") as fh:
@@ -337,13 +387,39 @@ def render(rows, names, args):
               + " | fa_torch / FA2 | fa_torch / cuDNN |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for (b, sq, sk, hq, hk, d, causal, mode), res in rows:
-        ms = f"{res['fa_torch'][1]:.3f}" if "fa_torch" in res else "—"
-        cells = [f"{res[n][0]:.0f}" if n in res else "—" for n in names]
-        ratio = lambda peer: (f"{res['fa_torch'][0] / res[peer][0]:.2f}"  # noqa: E731
+        ms = f"{res['fa_torch']['ms']:.3f}" if "fa_torch" in res else "—"
+        cells = [f"{res[n]['tflops']:.0f}" if n in res else "—" for n in names]
+        ratio = lambda peer: (f"{res['fa_torch']['tflops'] / res[peer]['tflops']:.2f}"  # noqa: E731
                               if "fa_torch" in res and peer in res else "—")
         lines.append(f"| {b} | {sq} | {sk} | {hq} | {hk} | {d} | {causal} | {mode} | {ms} | "
                      + " | ".join(cells)
                      + f" | {ratio('torch SDPA flash (FA2)')} | {ratio('torch SDPA cuDNN')} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_front_ends(rows):
+    """fa_jax against fa_torch, timed alike: the same kernels, so what differs is the
+    host's path to the launch. ``do_bench`` times each fa_torch call between CUDA events
+    (host gaps between calls left out); fa_jax can only be timed by the wall clock
+    (``time_loop``), so fa_torch is timed that way too, and inside one jitted loop."""
+    lines = ["\n## fa_jax against fa_torch, timed alike\n",
+             "ms a call. fa_torch: `do_bench` (CUDA events around each call) and a Python loop "
+             "timed by the wall clock (`time_loop`, as fa_jax is); fa_jax: the same Python loop "
+             "of jitted calls, and the calls inside one jitted `fori_loop`. Ratios are speed "
+             "ratios (fa_torch ms / fa_jax ms).\n",
+             "| B | Sq | Sk | Hq | Hk | D | causal | mode | fa_torch do_bench | fa_torch loop "
+             "| fa_jax loop | fa_jax jitted loop | fa_jax / fa_torch, loops "
+             "| fa_jax jitted loop / fa_torch loop | fa_jax loop / fa_torch do_bench |",
+             "|" + "---|" * 15]
+    for (b, sq, sk, hq, hk, d, causal, mode), res in rows:
+        t, j = res.get("fa_torch"), res.get("fa_jax")
+        if not (t and j and "loop_ms" in t):
+            continue
+        jit = j.get("jit_loop_ms", float("nan"))
+        lines.append(f"| {b} | {sq} | {sk} | {hq} | {hk} | {d} | {causal} | {mode} "
+                     f"| {t['ms']:.3f} | {t['loop_ms']:.3f} | {j['ms']:.3f} | {jit:.3f} "
+                     f"| {t['loop_ms'] / j['ms']:.3f} | {t['loop_ms'] / jit:.3f} "
+                     f"| {t['ms'] / j['ms']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -364,7 +440,7 @@ def plot(rows, names, path):
         sel = [(s, res) for (b, s, sk, hq, hk, dd, c, m), res in rows
                if (dd, c, m) == (d, causal, mode) and hq == hk and s == sk and b * s == 16384]
         for name in names:
-            pts = [(s, res[name][0]) for s, res in sel if name in res]
+            pts = [(s, res[name]["tflops"]) for s, res in sel if name in res]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_xscale("log", base=2)

@@ -31,6 +31,9 @@ import fa_jax  # noqa: E402
 import fa_torch  # noqa: E402
 from fa_jax import _launch as jax_launch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench import jitted_loop  # noqa: E402
+
 
 def tflops(shape, causal, mode, ms):
     batch, seqlen, heads_q, _, head_dim = shape
@@ -85,17 +88,7 @@ def jax_side(shape, causal, inputs, iters):
             rounds.append((time.perf_counter() - start) / iters * 1e3)
         result[mode] = statistics.median(rounds)
 
-        def looped(q, k, v, dout, fn=fn):
-            def body(i, carry):
-                q, acc = carry
-                # one element of every result, so that none is dead code
-                for leaf in jax.tree_util.tree_leaves(fn(q, k, v, dout)):
-                    acc = acc + leaf[0, 0, 0, 0].astype(jnp.float32)
-                # feed the result back (one element) so no call can be hoisted or elided
-                return q.at[0, 0, 0, 0].set((acc * 0).astype(q.dtype) + q[0, 0, 0, 0]), acc
-            return jax.lax.fori_loop(0, iters, body, (q, jnp.float32(0)))[1]
-
-        loop = jax.jit(looped)
+        loop = jitted_loop(fn, iters)
         jax.block_until_ready(loop(q, k, v, dout))
         rounds = []
         for _ in range(5):
