@@ -66,6 +66,10 @@ def main():
     triton_args = ([arrays.get(n, _launch.placeholder(q.device)) for n in launch.inputs]
                    + list(launch.scalars) + [outputs[o.name] for o in launch.outputs])
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs)
+    if device == "cuda":  # the raw-kernel rows launch descriptor kernels outside the launcher
+        import triton
+
+        triton.set_allocator(_launch.scratch)
     compiled = kernel[launch.grid](*triton_args, **options)
     bound = dict(zip(kernel.arg_names, triton_args))
     bound.update(launch.constexprs)
