@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 import fa_kernels.runtime as runtime
@@ -20,20 +21,30 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 2e-5}
 
 
-def replace_entries(monkeypatch, kernels, **flags):
-    """Every GPU table entry of ``kernels`` (the interpreter's config on the CPU) with
-    ``flags`` set; the plans, cached, are made again."""
-    if ON_GPU:
-        for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_CAUSAL,
-                      configs._GPU_16BIT_SHORT, configs._GPU_16BIT_FEW_ROWS):
-            for key, cfg in list(table.items()):
-                if key[0] in kernels:
-                    monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
-    else:
-        monkeypatch.setattr(configs, "_INTERPRETER", dataclasses.replace(configs._INTERPRETER,
-                                                                         **flags))
+def clear_plans():
+    """Drop the cached plans (made from the tables as they were)."""
     fa_plan.forward_plan.cache_clear()
     fa_plan.backward_plan.cache_clear()
+
+
+@pytest.fixture
+def replace_entries(monkeypatch):
+    """``replace_entries(kernels, **flags)``: every GPU table entry of ``kernels`` (the
+    interpreter's config on the CPU) with ``flags`` set for this test; the cached plans
+    are made again, then and after the test."""
+    def replace(kernels, **flags):
+        if ON_GPU:
+            for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_CAUSAL,
+                          configs._GPU_16BIT_SHORT, configs._GPU_16BIT_FEW_ROWS):
+                for key, cfg in list(table.items()):
+                    if key[0] in kernels:
+                        monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
+        else:
+            monkeypatch.setattr(configs, "_INTERPRETER",
+                                dataclasses.replace(configs._INTERPRETER, **flags))
+        clear_plans()
+    yield replace
+    clear_plans()  # (before monkeypatch restores the tables: no plan is made in between)
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed=0,

@@ -15,11 +15,8 @@ CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
 
 
 @pytest.fixture
-def apart_table(monkeypatch):
-    replace_entries(monkeypatch, ("dkdv",), apart=True)
-    yield
-    fa_plan.forward_plan.cache_clear()
-    fa_plan.backward_plan.cache_clear()
+def apart_table(replace_entries):
+    replace_entries(("dkdv",), apart=True)
 
 
 CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, causal)

@@ -20,13 +20,11 @@ HOPPER = CAPABILITY is None or CAPABILITY >= (9, 0)
 
 
 @pytest.fixture
-def descriptor_table(monkeypatch):
+def descriptor_table(replace_entries):
     """Every forward, dK/dV and dQ entry with descriptors."""
     flags = dict(tma=True)
-    replace_entries(monkeypatch, ("forward", "dkdv", "dq"), **flags)
-    yield flags
-    fa_plan.forward_plan.cache_clear()
-    fa_plan.backward_plan.cache_clear()
+    replace_entries(("forward", "dkdv", "dq"), **flags)
+    return flags
 
 
 CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, causal, options)
@@ -114,10 +112,10 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
 @pytest.mark.parametrize("hold", [True, False], ids=["held-by-tma", "held-in-registers"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_descriptor_backward_gives_the_same_bits(monkeypatch, causal, hold):
+def test_descriptor_backward_gives_the_same_bits(replace_entries, causal, hold):
     from fa_torch import _launch
 
-    replace_entries(monkeypatch, ("dkdv", "dq"), tma=True, hold_tma=hold)
+    replace_entries(("dkdv", "dq"), tma=True, hold_tma=hold)
 
     seqlen = 700 if ON_GPU else 90
     q, k, v = random_qkv(2, seqlen, seqlen + 13, 4, 2, 64, "bfloat16", seed=12)
@@ -145,7 +143,6 @@ def test_descriptor_backward_gives_the_same_bits(monkeypatch, causal, hold):
     _, _, j_grads = run_jax(q, k, v, dout, causal=causal)
     for name, a, b in zip(("dq", "dk", "dv"), t_grads, j_grads):
         assert torch.equal(a.cpu(), b.cpu()), f"{name} differs between fa_torch and fa_jax"
-    fa_plan.backward_plan.cache_clear()
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
