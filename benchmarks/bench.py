@@ -106,11 +106,10 @@ def jitted_loop(fn, iters):
     return jax.jit(looped)
 
 
-def bench_jitted_loop(fn, args, per_call_ms, rounds=5, round_ms=25.0):
-    """ms a call of ``fn`` inside one jitted loop of about ``round_ms`` of work."""
+def bench_jitted_loop(fn, args, iters, rounds=5):
+    """ms a call of ``fn`` inside one jitted loop of ``iters`` calls (median of rounds)."""
     import jax
 
-    iters = max(20, math.ceil(round_ms / max(per_call_ms, 1e-3)))
     loop = jitted_loop(fn, iters)
     jax.block_until_ready(loop(*args))
     times = []
@@ -229,7 +228,8 @@ def run_jax_impl(fn, shape, dtype, causal, mode, jitted=False):
     result = {"ms": bench_jax(step, args), "peak": float("nan")}
     if jitted:
         call = (lambda q, k, v, dout: fn(q, k, v, causal)) if mode == "fwd" else fwd_bwd
-        result["jit_loop_ms"] = bench_jitted_loop(call, args, result["ms"])
+        iters = max(20, math.ceil(25.0 / max(result["ms"], 1e-3)))  # ~25 ms a round
+        result["jit_loop_ms"] = bench_jitted_loop(call, args, iters)
     return result
 
 

@@ -32,7 +32,7 @@ import fa_torch  # noqa: E402
 from fa_jax import _launch as jax_launch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench import jitted_loop  # noqa: E402
+from bench import bench_jitted_loop  # noqa: E402
 
 
 def tflops(shape, causal, mode, ms):
@@ -88,14 +88,7 @@ def jax_side(shape, causal, inputs, iters):
             rounds.append((time.perf_counter() - start) / iters * 1e3)
         result[mode] = statistics.median(rounds)
 
-        loop = jitted_loop(fn, iters)
-        jax.block_until_ready(loop(q, k, v, dout))
-        rounds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(loop(q, k, v, dout))
-            rounds.append((time.perf_counter() - start) / iters * 1e3)
-        result[mode + " (jitted loop)"] = statistics.median(rounds)
+        result[mode + " (jitted loop)"] = bench_jitted_loop(fn, (q, k, v, dout), iters)
     return result
 
 
