@@ -1,4 +1,4 @@
-"""Three fixes to Triton 3.6's interpreter so the CPU path computes (and fails) as the GPU does.
+"""Four fixes to Triton 3.6's interpreter so the CPU path computes (and fails) as the GPU does.
 
 Applied once, only when the kernels run interpreted (``TRITON_INTERPRET=1``). The
 interpreter keeps bf16 tensors as raw uint16 bit patterns:
@@ -11,6 +11,11 @@ interpreter keeps bf16 tensors as raw uint16 bit patterns:
 * A load through a tensor descriptor with a dimension of size 0 read nothing and
   returned the padding, where the H200's copy engine stops the kernel with an illegal
   instruction (an empty varlen sequence did it). We raise.
+
+* A runtime scalar used as a loop bound (``range(lo, hi, BLOCK_N)``, every kernel's key
+  or query loop) converts through ``int()`` of the interpreter's 1-element array, which
+  numpy >= 2.4 refuses (triton#9171). We convert through ``.item()``, which every numpy
+  takes.
 
 Elementwise bf16 arithmetic and reductions are also wrong in the interpreter, which
 is why the kernels do all elementwise math in fp32 (as they should anyway).
@@ -79,6 +84,13 @@ def apply() -> None:
                                "faults on a zero-size dimension")
         return original_descriptor_load(self, desc, indices, cache_modifier, eviction_policy)
 
+    original_patch_tensor = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interp._patch_lang_tensor = patch_lang_tensor
     builder_cls.create_dot = create_dot
     builder_cls.create_descriptor_load = create_descriptor_load
     builder_cls.cast_impl = cast_impl
