@@ -6,11 +6,15 @@ the nnx ``MultiHeadAttention``), with the signature of ``flax.linen.dot_product_
 
 Linen passes only the arguments an attention_fn declares, so every one is declared.
 
-* ``mask`` (True = attend), broadcastable to (batch..., heads, q_len, kv_len): a concrete
-  causal mask (``nn.make_causal_mask`` outside jit) with q_len == kv_len becomes the
-  causal flag; any other mask becomes an additive bias of 0 / -1e30, so a fully masked
-  row attends uniformly, as Flax's own attention does. Under jit a mask is a tracer and
-  cannot be inspected: say ``make_attention_fn(causal=True)`` for the fast causal path.
+* ``mask`` (True = attend), broadcastable to (batch..., heads, q_len, kv_len), with
+  Flax's semantics, gradients included: Flax replaces a masked logit by a big negative
+  (``where(mask, logits, finfo.min)``), so no gradient flows through it, and a row with
+  every key masked attends uniformly to all keys (its output is the mean of the values,
+  and its query gets no gradient). Here a masked key is invisible (-inf: weight and
+  gradient exactly 0, as in Flax), and a fully masked row's output is the mean of the
+  values. A concrete causal mask (``nn.make_causal_mask`` outside jit) with q_len ==
+  kv_len becomes the causal flag. Under jit a mask is a tracer and cannot be inspected:
+  say ``make_attention_fn(causal=True)`` for the fast causal path.
 * ``dropout_rng`` seeds our dropout (the mask is drawn per batch entry and head;
   ``broadcast_dropout`` is accepted, the mask is not broadcast over batch dims).
 * ``dtype`` casts q, k, v for the computation; the softmax is always in fp32
@@ -26,8 +30,6 @@ import numpy as np
 
 from .ops import attention
 
-MASKED_BIAS = -1e30  # finite: -inf would turn a fully masked row into NaN
-
 
 def _is_causal_mask(mask, q_len: int, kv_len: int) -> bool:
     if mask is None or isinstance(mask, jax.core.Tracer) or q_len != kv_len:
@@ -41,6 +43,10 @@ def _is_causal_mask(mask, q_len: int, kv_len: int) -> bool:
 
 def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                   deterministic, dtype, is_causal, options):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", 0) < 3:
+            raise ValueError(f"{name} must have shape (batch..., length, heads, depth); got "
+                             f"shape {tuple(getattr(x, 'shape', ()))}")
     if dtype is not None:
         query, key, value = (x.astype(dtype) for x in (query, key, value))
     *batch_dims, q_len, heads, depth = query.shape
@@ -55,7 +61,8 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
         causal, mask = True, None
     parts = [jnp.asarray(bias, jnp.float32)] if bias is not None else []
     if mask is not None:
-        parts.append(jnp.where(mask, 0.0, MASKED_BIAS).astype(jnp.float32))
+        mask = jnp.asarray(mask, bool)
+        parts.append(jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32))
     total_bias = sum(parts[1:], parts[0]) if parts else None
     if total_bias is not None and (len(batch_dims) > 1 or total_bias.ndim > 4):
         # Several batch dims fold into one: give the bias them all, then fold.
@@ -68,7 +75,34 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
         dropout = dict(dropout_p=float(dropout_rate), dropout_seed=dropout_rng)
     out = attention(fold(query), fold(key), fold(value), causal=causal, bias=total_bias,
                     **dropout, **options)
-    return out.reshape(*batch_dims, q_len, heads, out.shape[-1]) if batch_dims else out[0]
+    out = out.reshape(*batch_dims, q_len, heads, out.shape[-1]) if batch_dims else out[0]
+    if mask is not None:
+        out = _uniform_where_fully_masked(out, value, mask, causal, options)
+    return out
+
+
+def _uniform_where_fully_masked(out, value, mask, causal, options):
+    """Flax's answer for rows whose every key is masked: all their logits equal the big
+    negative, so they attend uniformly to every key (the mean of the values), and, as
+    ``where`` passes no gradient to replaced logits, their queries get none."""
+    *batch_dims, q_len, heads, _ = out.shape
+    kv_len, heads_kv = value.shape[-3], value.shape[-2]
+    visible = jnp.broadcast_to(mask, (*batch_dims, heads, q_len, kv_len))
+    if causal or tuple(options.get("window_size", (-1, -1))) != (-1, -1):
+        left, right = options.get("window_size", (-1, -1))
+        right = 0 if causal else right
+        rows = jnp.arange(q_len)[:, None] + (kv_len - q_len)
+        cols = jnp.arange(kv_len)[None, :]
+        window = jnp.ones((q_len, kv_len), bool)
+        if right >= 0:
+            window &= cols <= rows + right
+        if left >= 0:
+            window &= cols >= rows - left
+        visible = visible & window
+    empty = ~jnp.any(visible, axis=-1)                      # (batch..., heads, q_len)
+    mean = jnp.mean(value.astype(jnp.float32), axis=-3)     # (batch..., heads_kv, depth)
+    mean = jnp.repeat(mean, heads // heads_kv, axis=-2).astype(out.dtype)
+    return jnp.where(jnp.swapaxes(empty, -1, -2)[..., None], mean[..., None, :, :], out)
 
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
