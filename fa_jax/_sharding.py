@@ -30,7 +30,7 @@ def _qkv_roles(name: str, varlen: bool):
         return ("n", "h", "d") if varlen else ("b", "s", "h", "d")
     if name in ("k", "v", "dk", "dv"):
         return ("m", "k", "d") if varlen else ("b", "t", "k", "d")
-    if name in ("lse", "dlse"):
+    if name in ("lse", "lse_lo", "dlse"):
         return ("h", "n") if varlen else ("b", "h", "s")
     return None
 

@@ -132,8 +132,8 @@ def _kinds(names, options: Options):
 # ------------------------------------------------------------------------------- the ops
 
 
-FORWARD_OUTPUTS = ("out", "lse")
-BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "dout", "dlse")
+FORWARD_OUTPUTS = ("out", "lse", "lse_lo")  # lse_lo: kernels/helpers.final_lse
+BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "lse_lo", "dout", "dlse")
 OPERANDS = {"forward": ARRAY_NAMES, "backward": BACKWARD_NAMES}
 
 
@@ -151,7 +151,7 @@ def _kernel_body(kind: str, options: Options):
                                        num_sms=_launch.num_sms())
             for launch in fwd.launches:
                 _launch.run(launch, arrays)
-            return arrays["out"], arrays["lse"]
+            return tuple(arrays[name] for name in FORWARD_OUTPUTS)
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
                                     bias_grad=options.has_bias)
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
@@ -174,7 +174,8 @@ def _partitioned_op(kind: str, options: Options, signature: tuple):
     problem = problem_of(arrays, options)
     in_names = names + (("batch_index", "head_index") if options.dropout_p > 0 else ())
     if kind == "forward":
-        out_names, out_shapes = FORWARD_OUTPUTS, [problem.out_shape, problem.lse_shape]
+        out_names = FORWARD_OUTPUTS
+        out_shapes = [problem.out_shape, problem.lse_shape, problem.lse_shape]
     else:
         out_names = ("dq", "dk", "dv") + (("dbias",) if options.has_bias else ())
         out_shapes = [problem.q_shape, problem.kv_shape, problem.kv_shape, problem.dbias_shape]
@@ -194,7 +195,7 @@ def _call_op(kind: str, options: Options, args):
 
 @functools.lru_cache(maxsize=None)
 def forward_op(options: Options):
-    """(q, k, v, bias, slopes, seed, cu_seqlens_q, cu_seqlens_k) -> (out, lse)."""
+    """(q, k, v, bias, slopes, seed, cu_seqlens_q, cu_seqlens_k) -> (out, lse, lse_lo)."""
 
     @jax.custom_batching.custom_vmap
     def forward(*args):
@@ -206,7 +207,7 @@ def forward_op(options: Options):
 
 @functools.lru_cache(maxsize=None)
 def backward_op(options: Options):
-    """(... the forward's arrays, out, lse, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
+    """(... the forward's arrays, out, lse, lse_lo, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
 
     @jax.custom_batching.custom_vmap
     def backward(*args):
@@ -226,16 +227,16 @@ def _zero_cotangent(x):
 def _differentiable(options: Options):
     @jax.custom_vjp
     def attend(*args):
-        return forward_op(options)(*args)
+        return forward_op(options)(*args)[:2]
 
     def attend_fwd(*args):
-        out, lse = forward_op(options)(*args)
-        return (out, lse), (args, out, lse)
+        out, lse, lse_lo = forward_op(options)(*args)
+        return (out, lse), (args, out, lse, lse_lo)
 
     def attend_bwd(residuals, cotangents):
-        args, out, lse = residuals
+        args, out, lse, lse_lo = residuals
         dout, dlse = cotangents
-        grads = backward_op(options)(*args, out, lse, dout, dlse)
+        grads = backward_op(options)(*args, out, lse, lse_lo, dout, dlse)
         dq, dk, dv = grads[:3]
         cotangent = [dq, dk, dv] + [_zero_cotangent(x) for x in args[3:]]
         if options.has_bias:
@@ -252,32 +253,52 @@ def _differentiable(options: Options):
 # --------------------------------------------------------------------------- public API
 
 
+def check_dropout_seed(dropout_seed) -> str:
+    """What kind of seed fa_jax was given ("none", "int", "key" or "scalar"), or a
+    TypeError/ValueError naming it: an int (numpy's too) in [0, 2**64), an integer scalar
+    array (traced is fine) or one PRNG key (typed, or a legacy uint32 (2,) key)."""
+    if dropout_seed is None:
+        return "none"
+    if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed,
+                                                                       (bool, np.bool_)):
+        if not 0 <= int(dropout_seed) < 2 ** 64:
+            raise ValueError(f"dropout_seed must be in [0, 2**64); got {dropout_seed}")
+        return "int"
+    if not hasattr(dropout_seed, "dtype") or not hasattr(dropout_seed, "shape"):
+        raise TypeError(f"dropout_seed must be an int, an integer array or a PRNG key; got "
+                        f"{type(dropout_seed).__name__}")
+    dtype, shape = dropout_seed.dtype, tuple(dropout_seed.shape)
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape != ():
+            raise TypeError(f"dropout_seed must be one PRNG key; got an array of keys of "
+                            f"shape {shape}")
+        return "key"
+    if dtype == jnp.uint32 and shape == (2,):
+        return "key"
+    if not jnp.issubdtype(dtype, jnp.integer) or shape != ():
+        raise TypeError(f"dropout_seed array must be an integer scalar or a PRNG key; got "
+                        f"{dtype} of shape {shape}")
+    return "scalar"
+
+
 def dropout_seed_array(dropout_seed):
     """The seed as the kernels take it: (2,) int32, low and high 32 bits.
 
     An int (< 2**64), a uint32/int32 scalar array (traced is fine) or a PRNG key
     (typed, or a legacy uint32 (2,) key, from which two words are drawn).
     """
-    if dropout_seed is None:
+    kind = check_dropout_seed(dropout_seed)
+    if kind == "none":
         raise ValueError("dropout_p > 0 needs dropout_seed in fa_jax: an int, a uint32 array "
                          "or a PRNG key (jax has no global random state)")
-    if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed, bool):
+    if kind == "int":
         seed = int(dropout_seed)
-        if not 0 <= seed < 2 ** 64:
-            raise ValueError(f"dropout_seed must be in [0, 2**64); got {seed}")
         words = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
         return jnp.asarray(words.view(np.int32))
-    if not hasattr(dropout_seed, "dtype"):
-        raise TypeError(f"dropout_seed must be an int, an integer array or a PRNG key; got "
-                        f"{type(dropout_seed).__name__}")
     seed = jnp.asarray(dropout_seed)
-    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) or (
-            seed.dtype == jnp.uint32 and seed.shape == (2,)):
+    if kind == "key":
         words = jax.random.bits(seed, (2,), jnp.uint32)
         return jax.lax.bitcast_convert_type(words, jnp.int32)
-    if not jnp.issubdtype(seed.dtype, jnp.integer) or seed.shape != ():
-        raise TypeError(f"dropout_seed array must be an integer scalar or a PRNG key; got "
-                        f"{seed.dtype} of shape {seed.shape}")
     low = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
     return jnp.stack([low, jnp.zeros((), jnp.int32)])
 
@@ -286,6 +307,7 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
           softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
           return_lse, deterministic):
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
+    return_lse = fa_plan.check_bool("return_lse", return_lse)
     named = {"q": q, "k": k, "v": v}
     for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
                     ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -301,14 +323,17 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     problem = problem_of(arrays, probe)  # validates everything before any launch
     if varlen:
-        for name, total in (("cu_seqlens_q", problem.total_q), ("cu_seqlens_k", problem.total_k)):
+        for name, total, longest in (("cu_seqlens_q", problem.total_q, problem.seqlen_q),
+                                     ("cu_seqlens_k", problem.total_k, problem.seqlen_k)):
             values = arrays[name]
             if not isinstance(values, jax.core.Tracer):
-                fa_plan.check_cu_seqlens(name, np.asarray(values).tolist(), total)
-    options = Options(problem.causal, problem.softmax_scale, tuple(int(w) for w in window_size),
+                fa_plan.check_cu_seqlens(name, np.asarray(values).tolist(), total, longest)
+    options = Options(problem.causal, problem.softmax_scale,
+                      (problem.window_left, problem.window_right),
                       problem.softcap, problem.dropout_p, bias is not None,
                       alibi_slopes is not None, varlen, problem.seqlen_q if varlen else 0,
                       problem.seqlen_k if varlen else 0)
+    check_dropout_seed(dropout_seed)  # checked with dropout off too
     seed = dropout_seed_array(dropout_seed) if problem.dropout_p > 0 else None
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -386,6 +411,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False,
     options = Options(problem.causal, problem.softmax_scale, (-1, -1), 0.0, 0.0, False, False,
                       False)
     unused = [_launch.placeholder() for _ in ARRAY_NAMES[3:]]
-    grads = backward_op(options)(q, k, v, *unused, out, lse.astype(jnp.float32), dout,
+    lse = lse.astype(jnp.float32)  # (no bias: the kernels read no lse_lo)
+    grads = backward_op(options)(q, k, v, *unused, out, lse, lse, dout,
                                  jnp.zeros(lse.shape, jnp.float32))
     return grads[:3]

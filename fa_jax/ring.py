@@ -55,9 +55,15 @@ def ring_attention(q, k, v, axis_name, *, causal: bool = False, softmax_scale=No
     ``axis_name``, in ``layout`` order ("contiguous" slices, or "zigzag", which balances
     causal work). Differentiable. Returns this device's slice of the output.
     """
-    layout = fa_plan.check_ring(q.shape, k.shape, v.shape, causal, layout)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _ring(axis_name, bool(causal), scale, layout)(q, k, v)
+    causal, scale, layout = fa_plan.check_ring(q.shape, k.shape, v.shape, causal, layout,
+                                               softmax_scale)
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"ring_attention needs the mesh axis {axis_name!r} bound: call it "
+                         f"inside jax.shard_map over that axis, or use "
+                         f"ring_attention_sharded") from None
+    return _ring(axis_name, causal, scale, layout)(q, k, v)
 
 
 def ring_attention_sharded(q, k, v, mesh, axis_name, *, causal: bool = False,
@@ -66,6 +72,10 @@ def ring_attention_sharded(q, k, v, mesh, axis_name, *, causal: bool = False,
     """``ring_attention`` over global arrays whose sequence (dim 1) is sharded over
     ``axis_name`` of ``mesh`` (already in ``layout`` order: see ``zigzag``); batch and
     heads may be sharded over other mesh axes too."""
+    fa_plan.check_ring(q.shape, k.shape, v.shape, causal, layout, softmax_scale)
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}")
     spec = P(batch_axis, axis_name, head_axis, None)
     fn = functools.partial(ring_attention, axis_name=axis_name, causal=causal,
                            softmax_scale=softmax_scale, layout=layout)

@@ -10,12 +10,25 @@ from __future__ import annotations
 
 import torch
 
+from fa_kernels import plan as fa_plan
+
 from .ops import _attention, dropout_seed_tensor
 from .ops import dropout_mask as _dropout_mask
 
 
+def _unpack(name: str, packed, rank: int, axis: int, parts: int, layout: str):
+    """The ``parts`` views of a packed tensor along ``axis``, after checking its shape."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}; got {type(packed).__name__}")
+    if packed.dim() != rank or packed.shape[axis] != parts:
+        raise ValueError(f"{name} must have shape {layout}; got {tuple(packed.shape)}")
+    return packed.unbind(dim=axis)
+
+
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
          softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
+    dropout_p = fa_plan.check_dropout_p(dropout_p)
+    return_attn_probs = fa_plan.check_bool("return_attn_probs", return_attn_probs)
     seed = None
     if dropout_p > 0:
         # Drawn here so the debug mask below is the one the kernel used.
@@ -46,7 +59,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
     """qkv (batch, seqlen, 3, nheads, headdim): the views are used in place."""
-    q, k, v = qkv.unbind(dim=2)
+    q, k, v = _unpack("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     return _run(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size,
                 softcap, alibi_slopes, return_attn_probs)
 
@@ -55,7 +68,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
-    k, v = kv.unbind(dim=2)
+    k, v = _unpack("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return _run(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal, window_size,
                 softcap, alibi_slopes, return_attn_probs)
 
@@ -76,7 +89,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """qkv (total, 3, nheads, headdim)."""
-    q, k, v = qkv.unbind(dim=1)
+    q, k, v = _unpack("qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
     return _run(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
@@ -87,6 +100,6 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False):
     """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
-    k, v = kv.unbind(dim=1)
+    k, v = _unpack("kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fa_kernels import plan as fa_plan
+
 from .ops import attention
 
 
@@ -17,7 +19,14 @@ class MultiheadAttention(nn.Module):
                  window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  device=None, dtype=None):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        dropout = fa_plan.check_dropout_p(dropout)
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be a multiple of num_heads ({num_heads})")
         if num_heads % num_kv_heads != 0:

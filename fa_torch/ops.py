@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -41,9 +42,14 @@ def _check_tensors(named: dict) -> torch.device:
     return q.device
 
 
+def _dense(x: Optional[Tensor]) -> Optional[Tensor]:
+    """Small index-like inputs (cu_seqlens, ALiBi slopes) are read as contiguous arrays."""
+    return x if x is None else x.contiguous()
+
+
 def _unit_last_stride(x: Optional[Tensor]) -> Optional[Tensor]:
     """The kernels index the head dim with stride 1; other strides are used in place."""
-    if x is None or x.stride(-1) == 1 or x.shape[-1] == 1:
+    if x is None or x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1:
         return x
     return x.contiguous()
 
@@ -75,9 +81,15 @@ def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seql
                    bias_dtype=None if bias is None else name(bias.dtype),
                    alibi_shape=None if alibi_slopes is None else tuple(alibi_slopes.shape),
                    alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype))
-    if varlen is None and type(window_size) is tuple:  # every argument hashable
+    if varlen is None and type(window_size) is tuple:
         types = tuple(map(type, (*options.values(), *window_size)))
-        return _checked_problem(arrays, tuple(options.items()), types)
+        key = (arrays, tuple(options.items()), types)
+        try:
+            hash(key)
+        except TypeError:  # an unhashable option: check_problem names it
+            pass
+        else:
+            return _checked_problem(*key)
     return fa_plan.check_problem(*arrays, **options, varlen=varlen)
 
 
@@ -108,9 +120,11 @@ def _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seq
 def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
                   dropout_p, problem=None):
-    """(out, lse): the forward launches (the body of the op below). ``problem``: the
-    call's validated problem when the caller has it already (the eager path)."""
+    """(out, lse, lse_lo): the forward launches (the body of the op below). ``problem``:
+    the call's validated problem when the caller has it already (the eager path)."""
     q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
+    alibi_slopes, cu_seqlens_q, cu_seqlens_k = map(_dense, (alibi_slopes, cu_seqlens_q,
+                                                            cu_seqlens_k))
     problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                                      window_left, window_right, softcap, dropout_p)
@@ -121,7 +135,7 @@ def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     for launch in fwd.launches:
         _launch.run(launch, arrays, q.device)
-    return arrays["out"], arrays["lse"]
+    return arrays["out"], arrays["lse"], arrays["lse_lo"]
 
 
 @torch.library.custom_op("fa_torch::attention_forward", mutates_args=())
@@ -130,8 +144,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
                       window_left: int, window_right: int, softcap: float,
-                      dropout_p: float) -> tuple[Tensor, Tensor]:
-    """(out, lse); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen)."""
+                      dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, lse_lo); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen);
+    lse_lo, shaped like lse, is what the backward needs of the LSE beyond lse (with a
+    bias; kernels/helpers.final_lse)."""
     return _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
                          window_right, softcap, dropout_p)
@@ -143,14 +159,17 @@ def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     problem = _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, causal, softmax_scale, window_left, window_right,
                           softcap, dropout_p)
-    return q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32)
+    return (q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32),
+            q.new_empty(problem.lse_shape, dtype=torch.float32))
 
 
-def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
+def _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
                    window_right, softcap, dropout_p, bias_grad, problem=None):
     """(dq, dk, dv, dbias): the backward launches (the body of the op below)."""
     q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
+    alibi_slopes, cu_seqlens_q, cu_seqlens_k = map(_dense, (alibi_slopes, cu_seqlens_q,
+                                                            cu_seqlens_k))
     problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                                      window_left, window_right, softcap, dropout_p)
@@ -162,7 +181,7 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_s
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
     arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
-              "dlse": dlse, "bias": bias, "slopes": alibi_slopes,
+              "lse_lo": lse_lo.contiguous(), "dlse": dlse, "bias": bias, "slopes": alibi_slopes,
               "seed": seed, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     for launch in bwd.launches:
         _launch.run(launch, arrays, q.device)
@@ -178,20 +197,21 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_s
 
 @torch.library.custom_op("fa_torch::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       dlse: Optional[Tensor], bias: Optional[Tensor],
+                       lse_lo: Tensor, dlse: Optional[Tensor], bias: Optional[Tensor],
                        alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
                        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                        max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
                        window_left: int, window_right: int, softcap: float, dropout_p: float,
                        bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty."""
-    return _backward_impl(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
+    return _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed,
+                          cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                           window_left, window_right, softcap, dropout_p, bias_grad)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
+def _(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
       dropout_p, bias_grad):
     dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
@@ -204,8 +224,10 @@ _OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "win
 
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = inputs[:8]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
+    out, lse, lse_lo = output
+    ctx.save_for_backward(q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
+                          cu_seqlens_k)
+    ctx.mark_non_differentiable(lse_lo)
     ctx.options = inputs[8:]
     # An unused output's gradient stays None, not a zero tensor to allocate and fill
     # (the LSE's, usually): the backward plan then skips reading it.
@@ -213,12 +235,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward_with(backward):
-    def _backward(ctx, dout, dlse):
-        q, k, v, out, lse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    def _backward(ctx, dout, dlse, _dlse_lo):
+        (q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
+         cu_seqlens_k) = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = backward(ctx, dout, q, k, v, out, lse, dlse, bias, alibi_slopes,
+        dq, dk, dv, dbias = backward(ctx, dout, q, k, v, out, lse, lse_lo, dlse, bias,
+                                     alibi_slopes,
                                      seed, cu_seqlens_q, cu_seqlens_k, *ctx.options, bias_grad)
         return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (4 + len(_OPTION_NAMES))
     return _backward
@@ -246,8 +270,8 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        return _eager_backward(ctx, dout, dlse) + (None,)
+    def backward(ctx, dout, dlse, dlse_lo):
+        return _eager_backward(ctx, dout, dlse, dlse_lo) + (None,)
 
 
 _eager_backward = _backward_with(
@@ -277,6 +301,26 @@ def _call_forward(problem, *args):
     return _forward_impl(*args, problem=problem)
 
 
+def check_dropout_seed(dropout_seed):
+    """The seed as given, if fa_torch takes it: None, an int (numpy's too) in [0, 2**64),
+    or an integer tensor of 1 or 2 elements; else a TypeError/ValueError naming it."""
+    if dropout_seed is None:
+        return None
+    if isinstance(dropout_seed, torch.Tensor):
+        dtype = dropout_seed.dtype
+        if (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+                or dropout_seed.numel() not in (1, 2)):
+            raise TypeError(f"dropout_seed tensor must hold 1 or 2 integers; got "
+                            f"{dtype} of shape {tuple(dropout_seed.shape)}")
+        return dropout_seed
+    if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed, bool):
+        if not 0 <= int(dropout_seed) < 2 ** 64:
+            raise ValueError(f"dropout_seed must be in [0, 2**64); got {dropout_seed}")
+        return int(dropout_seed)
+    raise TypeError(f"dropout_seed must be None, an int or an integer tensor; got "
+                    f"{type(dropout_seed).__name__}")
+
+
 def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
     """The seed as the kernels take it: (4,) int32, the low and high 32 bits of the
     seed, then the batch and head offsets (0: this call holds the whole batch).
@@ -284,25 +328,18 @@ def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
     None draws one from torch's default generator (so ``torch.manual_seed`` makes runs
     repeatable); an int is used as is; a tensor of 1 or 2 integers also.
     """
+    dropout_seed = check_dropout_seed(dropout_seed)
     if dropout_seed is None:
         halves = torch.randint(-2 ** 31, 2 ** 31, (2,), dtype=torch.int64)
     elif isinstance(dropout_seed, torch.Tensor):
-        if dropout_seed.dtype.is_floating_point or dropout_seed.numel() not in (1, 2):
-            raise TypeError(f"dropout_seed tensor must hold 1 or 2 integers; got "
-                            f"{dropout_seed.dtype} of shape {tuple(dropout_seed.shape)}")
         halves = dropout_seed.reshape(-1).to(torch.int64)
         if halves.numel() == 1:
             return dropout_seed_tensor(int(halves[0]), device)
         halves = (halves & 0xFFFFFFFF)
         halves = torch.where(halves >= 2 ** 31, halves - 2 ** 32, halves)
-    elif isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool):
-        if not 0 <= dropout_seed < 2 ** 64:
-            raise ValueError(f"dropout_seed must be in [0, 2**64); got {dropout_seed}")
+    else:
         words = [dropout_seed & 0xFFFFFFFF, dropout_seed >> 32]
         halves = torch.tensor([w - 2 ** 32 if w >= 2 ** 31 else w for w in words])
-    else:
-        raise TypeError(f"dropout_seed must be None, an int or an integer tensor; got "
-                        f"{type(dropout_seed).__name__}")
     offsets = torch.zeros(2, dtype=torch.int64)
     return torch.cat([halves.cpu(), offsets]).to(torch.int32).to(device)
 
@@ -324,18 +361,22 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
                return_lse, deterministic=False):
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
+    return_lse = fa_plan.check_bool("return_lse", return_lse)
+    check_dropout_seed(dropout_seed)
     q, k, v = _autocast(q, k, v)
     problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, causal, softmax_scale, window_size, softcap, dropout_p)
     if problem.varlen and not (cu_seqlens_q.is_cuda or cu_seqlens_k.is_cuda):
-        fa_plan.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), problem.total_q)
-        fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), problem.total_k)
+        fa_plan.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), problem.total_q,
+                                 problem.seqlen_q)
+        fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), problem.total_k,
+                                 problem.seqlen_k)
     seed = dropout_seed_tensor(dropout_seed, q.device) if problem.dropout_p > 0 else None
-    out, lse = _call_forward(problem, q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
-                             problem.seqlen_q if problem.varlen else 0,
-                             problem.seqlen_k if problem.varlen else 0, problem.causal,
-                             problem.softmax_scale, window_size[0], window_size[1],
-                             problem.softcap, problem.dropout_p)
+    out, lse, _ = _call_forward(problem, q, k, v, bias, alibi_slopes, seed, cu_seqlens_q,
+                                cu_seqlens_k, problem.seqlen_q if problem.varlen else 0,
+                                problem.seqlen_k if problem.varlen else 0, problem.causal,
+                                problem.softmax_scale, problem.window_left, problem.window_right,
+                                problem.softcap, problem.dropout_p)
     return (out, lse) if return_lse else out
 
 

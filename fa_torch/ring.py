@@ -60,9 +60,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-    layout = fa_plan.check_ring(q.shape, k.shape, v.shape, causal, layout)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _RingAttention.apply(q, k, v, group, bool(causal), scale, layout)
+    causal, scale, layout = fa_plan.check_ring(q.shape, k.shape, v.shape, causal, layout,
+                                               softmax_scale)
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -96,14 +96,16 @@ class _Ring:
 
 
 def _attend(q, k, v, causal, scale):
-    out, lse = ops.attention_forward(q, k, v, None, None, None, None, None, 0, 0, causal, scale,
-                                     -1, -1, 0.0, 0.0)
+    out, lse, _ = ops.attention_forward(q, k, v, None, None, None, None, None, 0, 0, causal,
+                                        scale, -1, -1, 0.0, 0.0)
     return out.float(), lse
 
 
 def _grads(q, k, v, out, lse, dout, causal, scale):
-    dq, dk, dv, _ = ops.attention_backward(dout, q, k, v, out, lse, None, None, None, None, None,
-                                           None, 0, 0, causal, scale, -1, -1, 0.0, 0.0, False)
+    # No bias here: the kernels read no lse_lo (kernels/helpers.final_lse).
+    dq, dk, dv, _ = ops.attention_backward(dout, q, k, v, out, lse, lse, None, None, None, None,
+                                           None, None, 0, 0, causal, scale, -1, -1, 0.0, 0.0,
+                                           False)
     return dq.float(), dk.float(), dv.float()
 
 

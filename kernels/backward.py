@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .helpers import (aligned, block_source, dropout_keep, key_blocks, load_block, load_row_stats,
-                      load_seed, load_tile, query_blocks, scores, sequence_bounds, softcap_slope,
-                      store_tile, visible)
+                      load_seed, load_tile, probabilities, query_blocks, scores, sequence_bounds,
+                      softcap_slope, store_tile, visible)
 
 
 @triton.jit
@@ -62,9 +62,10 @@ def attention_backward_preprocess(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
+def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
+               start_m, cols,
                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
-               qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+               qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
                seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -78,12 +79,13 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_bas
                    True, USE_TMA)
     do = load_block(do_source, start_m, offs_m, offs_d, stride_dom, seqlen_q, HEAD_DIM, BLOCK_D,
                     True, USE_TMA)
-    lse2, delta = load_row_stats(lse_base, delta_base, rows, seqlen_q)
+    lse, lse_lo, delta = load_row_stats(lse_base, lse_lo_base, delta_base, rows, seqlen_q,
+                                        HAS_BIAS)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
     s_t = scores(qk_t, rows[None, :], cols[:, None], seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                 softcap_log2, bias_base, stride_bm, stride_bn, slope,
+                 softcap_out, bias_base, stride_bm, stride_bn, slope,
                  HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
-    p_t = tl.exp2(s_t - lse2[None, :])
+    p_t = probabilities(s_t, lse[None, :], lse_lo[None, :], HAS_BIAS)
     if MASKED:
         p_t = tl.where(visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
                                window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
@@ -110,9 +112,9 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_bas
 
 @triton.jit
 def attention_backward_dkdv(
-    Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
-    softmax_scale, qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
-    window_left, window_right, seqlen_q, seqlen_k,
+    Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
+    window_left, window_right, seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -155,16 +157,16 @@ def attention_backward_dkdv(
     start_n = block * BLOCK_N
     head_k = tl.program_id(1)
     batch = tl.program_id(2)
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
-                                                           seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+        batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
     if start_n >= seqlen_k:  # past this sequence's keys (varlen): no row of dK, dV to write,
         return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)
     for part in tl.static_range(DKDV_PARTS):  # each part its own specialised loop
         if tl.program_id(0) % DKDV_PARTS == part:
-            _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+            _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
                         batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
-                        qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+                        qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
                         window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
                         stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
                         stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
@@ -176,9 +178,9 @@ def attention_backward_dkdv(
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
                 batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
-                qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
+                qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
                 window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
                 stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
                 stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
@@ -230,6 +232,7 @@ def _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, 
             dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
             seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
+        lse_lo_base = LSELo + batch64 * stride_lb + head64 * stride_lh + q_start
         delta_base = Delta + batch64 * stride_lb + head64 * stride_lh + q_start
         bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
         slope = 0.0
@@ -237,25 +240,28 @@ def _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, 
             slope = tl.load(Slopes + batch64 * stride_sb + head64)
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
+                start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+                qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
                 BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
                 HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
+                start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+                qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
                 BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
                 HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, lse_base, delta_base, bias_base, start_m, cols,
+                dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
+                start_m, cols,
                 offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+                qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
                 BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
                 HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
@@ -272,9 +278,9 @@ def _dkdv_block(Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, dK, dV, start_n, 
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
+def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
              offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
-             seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+             seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
              window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
              LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -288,9 +294,9 @@ def _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, 
                    MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
-               softcap_log2, bias_base, stride_bm, stride_bn, slope,
+               softcap_out, bias_base, stride_bm, stride_bn, slope,
                HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
-    p = tl.exp2(s - lse2[:, None])
+    p = probabilities(s, lse[:, None], lse_lo[:, None], HAS_BIAS)
     if MASKED:
         p = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
                              window_right, LIMIT_LEFT, LIMIT_RIGHT), p, 0.0)
@@ -309,9 +315,9 @@ def _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, 
 
 @triton.jit
 def attention_backward_dq(
-    Q, K, V, dOut, LSE, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
-    softmax_scale, qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale,
-    window_left, window_right, seqlen_q, seqlen_k,
+    Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
+    window_left, window_right, seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -348,8 +354,8 @@ def attention_backward_dq(
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_k = tl.cast(head // GROUP_SIZE, tl.int64)
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
-                                                           seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+        batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
     if start_m >= seqlen_q:  # past this sequence's queries (varlen): no row of dQ to write,
         return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)
@@ -370,7 +376,8 @@ def attention_backward_dq(
     do = load_block(do_source, start_m, offs_m, offs_d, stride_dom, seqlen_q, HEAD_DIM, BLOCK_D,
                     True, HOLD_TMA)
     row_base = batch64 * stride_lb + head64 * stride_lh + q_start
-    lse2, delta = load_row_stats(LSE + row_base, Delta + row_base, rows, seqlen_q)
+    lse, lse_lo, delta = load_row_stats(LSE + row_base, LSELo + row_base, Delta + row_base, rows,
+                                        seqlen_q, HAS_BIAS)
     k_source = block_source(K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn,
                             seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     v_source = block_source(V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn,
@@ -387,23 +394,23 @@ def attention_backward_dq(
                                           window_left, window_right, BLOCK_N, LIMIT_LEFT,
                                           LIMIT_RIGHT)
     for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
+        dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
-                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
                       HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
+        dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
-                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
                       HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
+        dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
-                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope,
+                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
                       HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)

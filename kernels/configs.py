@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes an element
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # bytes an element
 
 
 @dataclass(frozen=True)

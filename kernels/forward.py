@@ -2,7 +2,8 @@
 
 For a query block, loop over key blocks keeping a running max ``m``, a running sum
 ``l`` and an unnormalised output ``acc`` (the online softmax), then write
-``O = acc / l`` and ``LSE = (m + log2 l) * ln 2``. Key blocks wholly visible to the
+``O = acc / l`` and ``LSE = (m + log2 l) * ln 2`` (natural log throughout with a bias,
+and the part of the LSE fp32 cannot hold in ``LSELo``: helpers.final_lse). Key blocks wholly visible to the
 block are visited without any mask work; only blocks that cross a window edge (the
 causal diagonal is one) or the end of the keys are masked, and blocks wholly outside
 the window are not visited at all.
@@ -13,7 +14,7 @@ path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (LN2, aligned, block_source, dropout_keep, key_blocks, load_block,
+from .helpers import (aligned, block_source, dropout_keep, final_lse, key_blocks, load_block,
                       load_rows, load_seed, load_tile, scores, sequence_bounds, softmax_step,
                       split_blocks, store_rows, store_tile, visible)
 
@@ -21,7 +22,7 @@ from .helpers import (LN2, aligned, block_source, dropout_keep, key_blocks, load
 @triton.jit
 def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+            qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, batch, head,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
             LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -36,12 +37,12 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
         s = qk
     else:
         s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                   softcap_log2, bias_base, stride_bm, stride_bn, slope,
+                   softcap_out, bias_base, stride_bm, stride_bn, slope,
                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
     if MASKED:
         s = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
                              window_right, LIMIT_LEFT, LIMIT_RIGHT), s, float("-inf"))
-    m_i, l_i, p, alpha = softmax_step(m_i, l_i, s, qk_scale, MASKED, FOLD_SCALE)
+    m_i, l_i, p, alpha = softmax_step(m_i, l_i, s, qk_scale, MASKED, FOLD_SCALE, HAS_BIAS)
     if HAS_DROPOUT:  # l keeps the undropped sum: dropout acts on normalised probabilities
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
@@ -54,8 +55,8 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
 @triton.jit
 def attention_forward(
     Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
-    qk_scale, softcap_scale, softcap_log2, dropout_p, dropout_scale, window_left, window_right,
-    seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale, window_left, window_right,
+    seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -64,7 +65,7 @@ def attention_forward(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb,
     num_splits, stride_os, stride_ls,
-    Out, LSE,
+    Out, LSE, LSELo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -93,8 +94,8 @@ def attention_forward(
         split = block % num_splits
         block = block // num_splits
     batch = tl.program_id(2)
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK,
-                                                           seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+        batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
     batch64 = tl.cast(batch, tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -154,7 +155,7 @@ def attention_forward(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+            qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
             USE_TMA, FOLD_SCALE)
@@ -162,7 +163,7 @@ def attention_forward(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+            qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
             USE_TMA, FOLD_SCALE)
@@ -170,23 +171,23 @@ def attention_forward(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
             stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_log2, slope, window_left, window_right,
+            qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
             USE_TMA, FOLD_SCALE)
 
-    # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0.
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
+    # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0; a NaN in
+    # its inputs stays NaN in both.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if HAS_DROPOUT:
         l_safe = l_safe * (1.0 / dropout_scale)  # kept probabilities scaled by 1 / (1 - p)
     out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    lse, lse_lo = final_lse(m_i, l_i, HAS_BIAS)
 
     # Split-KV writes this split's (fp32) slice of the partial buffers.
     split64 = tl.cast(split, tl.int64)
     o_batch = Out + split64 * stride_os + batch64 * stride_ob
-    lse_batch = LSE + split64 * stride_ls + batch64 * stride_lb + q_start
+    lse_offset = split64 * stride_ls + batch64 * stride_lb + q_start
     if PACK_GQA:
         store_rows(o_batch + q_start * stride_om, out,
                    tl.cast(rows, tl.int64) * stride_om + head64 * stride_oh, rows < seqlen_q,
@@ -194,22 +195,26 @@ def attention_forward(
     else:
         store_tile(o_batch + head64 * stride_oh + q_row0 * stride_om, out, offs_m, offs_d,
                    stride_om, seqlen_q - row_lo, HEAD_DIM, BLOCK_D)
-    tl.store(lse_batch + head64 * stride_lh + rows, lse, mask=rows < seqlen_q)
+    lse_rows = lse_offset + head64 * stride_lh + rows
+    tl.store(LSE + lse_rows, lse, mask=rows < seqlen_q)
+    if HAS_BIAS:
+        tl.store(LSELo + lse_rows, lse_lo, mask=rows < seqlen_q)
 
 
 @triton.jit
 def attention_forward_combine(
-    OutPartial, LSEPartial, CuSeqlensQ, CuSeqlensK,
-    seqlen_q, num_splits,
+    OutPartial, LSEPartial, LSELoPartial, CuSeqlensQ, CuSeqlensK,
+    seqlen_q, total_q, num_splits,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     stride_os, stride_ls,
-    Out, LSE,
+    Out, LSE, LSELo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """Merge split-KV partial results: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s
-    (two passes over the splits: their largest LSE, then the weighted sums).
+    (two passes over the splits: their largest LSE, then the weighted sums). With a bias
+    each LSE_s is ``lse + lse_lo`` (helpers.final_lse), and so is the merged one.
 
     The partial buffers have the layout of Out and LSE (fp32) with a leading split axis.
     """
@@ -217,13 +222,14 @@ def attention_forward_combine(
     head = tl.cast(tl.program_id(1), tl.int64)
     batch = tl.program_id(2)
     q_start, _, seqlen_q, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, 0,
-                                              IS_VARLEN)
+                                              total_q, 0, IS_VARLEN)
     batch64 = tl.cast(batch, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = start_m + offs_m
     in_range = rows < seqlen_q
     lse_base = LSEPartial + batch64 * stride_lb + head * stride_lh + q_start
+    lse_lo_base = LSELoPartial + batch64 * stride_lb + head * stride_lh + q_start
     o_base = (OutPartial + batch64 * stride_ob + head * stride_oh
               + (q_start + tl.cast(start_m, tl.int64)) * stride_om)
 
@@ -237,16 +243,24 @@ def attention_forward_combine(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s in range(num_splits):
         lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
-        weight = tl.exp(lse_s - m_ref)  # 0 for an empty split (LSE -inf)
+        if HAS_BIAS:
+            lo_s = tl.load(lse_lo_base + s * stride_ls + rows, mask=in_range, other=0.0)
+            weight = tl.exp((lse_s - m_ref) + tl.where(lse_s == float("-inf"), 0.0, lo_s))
+        else:
+            weight = tl.exp(lse_s - m_ref)  # 0 for an empty split (LSE -inf)
         part = load_tile(o_base + tl.cast(s, tl.int64) * stride_os, offs_m, offs_d, stride_om,
                          seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
         total += weight
         acc += weight[:, None] * part
     total_safe = tl.where(seen, total, 1.0)
     acc = acc / total_safe[:, None]
-    lse = tl.where(seen, m_ref + tl.log(total_safe), float("-inf"))
+    log_total = tl.log(total_safe)
+    lse = tl.where(seen, m_ref + log_total, float("-inf"))
 
     out_base = (Out + batch64 * stride_ob + head * stride_oh
                 + (q_start + tl.cast(start_m, tl.int64)) * stride_om)
     store_tile(out_base, acc, offs_m, offs_d, stride_om, seqlen_q - start_m, HEAD_DIM, BLOCK_D)
-    tl.store(LSE + batch64 * stride_lb + head * stride_lh + q_start + rows, lse, mask=in_range)
+    lse_rows = batch64 * stride_lb + head * stride_lh + q_start + rows
+    tl.store(LSE + lse_rows, lse, mask=in_range)
+    if HAS_BIAS:
+        tl.store(LSELo + lse_rows, tl.where(seen, (m_ref - lse) + log_total, 0.0), mask=in_range)

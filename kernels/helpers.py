@@ -5,6 +5,11 @@ Conventions shared by every kernel:
 * ``s`` are scores in base 2: ``dot(q, k) * softmax_scale * log2(e)``, so the
   softmax is ``exp2(s - max)``; the stored LSE is in natural log (times ln 2 on
   the way out, times log2(e) on the way back in).
+* With a bias (HAS_BIAS) scores stay in natural log and the softmax is ``exp(s - max)``:
+  frameworks mask with finite biases down to ``finfo(float32).min``, whose base-2 value
+  would overflow to -inf. Such a bias also makes the LSE too large for fp32 to hold its
+  ``log(sum)`` part (-1e30 + log 8 is -1e30), so the LSE travels as ``lse + lse_lo``:
+  ``lse`` the fp32 value users get, ``lse_lo`` the remainder the backward needs.
 * Causal attention is bottom-right aligned: query row ``i`` sees key ``j`` when
   ``j <= i + seqlen_k - seqlen_q`` (flash-attn >= 2.1).
 """
@@ -13,6 +18,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -99,17 +105,23 @@ def load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM: 
 
 
 @triton.jit
-def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k,
+                    IS_VARLEN: tl.constexpr):
     """(first query token, first key token, seqlen_q, seqlen_k) of one batch entry.
 
     Varlen batches pack sequences back to back: entry b holds tokens
-    [cu_seqlens[b], cu_seqlens[b + 1]). Otherwise every entry starts at token 0.
+    [cu_seqlens[b], cu_seqlens[b + 1]), at most max_seqlen (the ``seqlen_*`` given) of
+    them. Otherwise every entry starts at token 0. cu_seqlens on the device cannot be
+    checked before the launch: they are clamped into [0, total] and each length into
+    [0, max_seqlen], so that no value steers a program outside the packed arrays.
     """
     if IS_VARLEN:
-        q_start = tl.load(CuSeqlensQ + batch)
-        k_start = tl.load(CuSeqlensK + batch)
-        seqlen_q = tl.load(CuSeqlensQ + batch + 1) - q_start
-        seqlen_k = tl.load(CuSeqlensK + batch + 1) - k_start
+        q_start = tl.minimum(tl.maximum(tl.load(CuSeqlensQ + batch), 0), total_q)
+        k_start = tl.minimum(tl.maximum(tl.load(CuSeqlensK + batch), 0), total_k)
+        q_end = tl.minimum(tl.maximum(tl.load(CuSeqlensQ + batch + 1), q_start), total_q)
+        k_end = tl.minimum(tl.maximum(tl.load(CuSeqlensK + batch + 1), k_start), total_k)
+        seqlen_q = tl.minimum(q_end - q_start, seqlen_q)
+        seqlen_k = tl.minimum(k_end - k_start, seqlen_k)
         q_start = tl.cast(q_start, tl.int64)
         k_start = tl.cast(k_start, tl.int64)
     else:
@@ -224,25 +236,32 @@ def tanh(x):
 
 
 @triton.jit
-def scores(qk, rows_q, cols_k, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2,
+def scores(qk, rows_q, cols_k, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out,
            bias_base, stride_bm, stride_bn, slope,
            HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Base-2 logits of a tile from its q·k products.
+    """Logits of a tile from its q·k products, in the kernel's unit (``score_unit``).
 
     z = softcap * tanh(scale * qk / softcap) (or scale * qk), + bias, - slope * |i + d - j|;
-    returned as z * log2(e). Every option is a constexpr: the plain path is one multiply.
+    returned as z * unit (the plan folds the unit into ``qk_scale`` and ``softcap_out``).
+    Every option is a constexpr: the plain path is one multiply.
     """
     if HAS_SOFTCAP:
-        s = tanh(qk * softcap_scale) * softcap_log2
+        s = tanh(qk * softcap_scale) * softcap_out
     else:
         s = qk * qk_scale
     if HAS_BIAS:
         bias = tl.load(bias_base + tl.cast(rows_q, tl.int64) * stride_bm + cols_k * stride_bn,
                        mask=(rows_q < seqlen_q) & (cols_k < seqlen_k), other=0.0)
-        s += bias.to(tl.float32) * LOG2E
+        if bias.dtype == tl.float64:  # a finite fp64 bias stays finite: fp32's extremes
+            bias = tl.where((bias < -FLOAT32_MAX) & (bias != float("-inf")), -FLOAT32_MAX, bias)
+            bias = tl.where((bias > FLOAT32_MAX) & (bias != float("inf")), FLOAT32_MAX, bias)
+        s += bias.to(tl.float32)  # natural unit: no scaling that could overflow
     if HAS_ALIBI:
         distance = tl.abs(rows_q + (seqlen_k - seqlen_q) - cols_k).to(tl.float32)
-        s -= (slope * LOG2E) * distance
+        if HAS_BIAS:
+            s -= slope * distance
+        else:
+            s -= (slope * LOG2E) * distance
     return s
 
 
@@ -292,8 +311,18 @@ def load_seed(Seed, batch, head, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(m_i, l_i, s, qk_scale, MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr):
-    """One online-softmax step in base 2 over a block of scores ``s``.
+def exp_unit(x, NATURAL: tl.constexpr):
+    """exp of a logit in the kernel's unit: exp2 for base 2, exp for natural log."""
+    if NATURAL:
+        return tl.exp(x)
+    return tl.exp2(x)
+
+
+@triton.jit
+def softmax_step(m_i, l_i, s, qk_scale, MASKED: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                 NATURAL: tl.constexpr):
+    """One online-softmax step over a block of scores ``s`` (base 2, or natural log with
+    ``NATURAL``: a bias).
 
     With ``FOLD_SCALE``, ``s`` is the raw q·k and ``qk_scale`` (> 0, so it commutes with
     the max) is applied inside exp2's argument, one FMA an element where scaling first
@@ -305,30 +334,64 @@ def softmax_step(m_i, l_i, s, qk_scale, MASKED: tl.constexpr, FOLD_SCALE: tl.con
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
-        # A row may have seen no key yet (all -inf): exp2(-inf - -inf) would be NaN.
+    if MASKED or NATURAL:
+        # A row may have seen no key yet (all -inf, from a mask or a -inf bias):
+        # exp(-inf - -inf) would be NaN.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
     if FOLD_SCALE:
         p = tl.exp2(s * qk_scale - m_ref[:, None])
     else:
-        p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
+        p = exp_unit(s - m_ref[:, None], NATURAL)
+    alpha = exp_unit(m_i - m_ref, NATURAL)
     l_new = l_i * alpha + tl.sum(p, 1)
     return m_new, l_new, p, alpha
 
 
 @triton.jit
-def load_row_stats(lse_base, delta_base, offs_row, num_rows):
-    """Per-row LSE (as base 2) and D = rowsum(dO * O) for the backward.
+def final_lse(m_i, l_i, NATURAL: tl.constexpr):
+    """(lse, lse_lo) of rows with running max ``m_i`` and sum ``l_i``: the natural-log
+    LSE as fp32 holds it, and (with ``NATURAL``) what it lost, ``m + log l - lse``,
+    so that ``exp((s - lse) - lse_lo)`` is the probability even where ``|m|`` is so
+    large that ``lse == m``. A row that saw no key (l == 0) gets -inf; a NaN stays NaN."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    if NATURAL:
+        log_l = tl.log(l_safe)
+        lse = m_i + log_l
+        lse_lo = tl.where(empty, 0.0, (m_i - lse) + log_l)
+    else:
+        lse = (m_i + tl.log2(l_safe)) * LN2
+        lse_lo = tl.zeros_like(lse)
+    return tl.where(empty, float("-inf"), lse), lse_lo
+
+
+@triton.jit
+def load_row_stats(lse_base, lse_lo_base, delta_base, offs_row, num_rows, NATURAL: tl.constexpr):
+    """Per-row (LSE, its low part, D = rowsum(dO * O)) for the backward, the LSE in the
+    kernel's unit (base 2, or natural with ``NATURAL``; only then is ``lse_lo`` read).
 
     A row that saw no key has LSE -inf; it becomes +inf here so that its
-    probabilities exp2(s - lse) are 0 rather than inf. Rows past the end read
+    probabilities exp(s - lse) are 0 rather than inf. Rows past the end read
     the same way and contribute nothing.
     """
     in_range = offs_row < num_rows
     lse = tl.load(lse_base + offs_row, mask=in_range, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    if NATURAL:
+        lse_lo = tl.load(lse_lo_base + offs_row, mask=in_range, other=0.0)
+        lse_lo = tl.where(lse == float("-inf"), 0.0, lse_lo)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    else:
+        lse_lo = tl.zeros_like(lse)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     delta = tl.load(delta_base + offs_row, mask=in_range, other=0.0)
-    return lse2, delta
+    return lse, lse_lo, delta
+
+
+@triton.jit
+def probabilities(s, lse, lse_lo, NATURAL: tl.constexpr):
+    """P = exp(s - LSE) recomputed in the backward (``lse``, ``lse_lo`` broadcast to s)."""
+    if NATURAL:
+        return tl.exp((s - lse) - lse_lo)
+    return tl.exp2(s - lse)

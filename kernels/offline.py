@@ -132,6 +132,21 @@ def variants(quick: bool):
                 yield (f"{dtype} D={head_dim} decode packed split",
                        check((2, 1, 8, head_dim), (2, 8192, 2, head_dim)),
                        dict(num_splits=4))
+    # Short sequences take the tile shrunk to them and, at 1, Triton folds the length
+    # into the kernel as a constant: every such kind at D = 256 (ptxas once crashed on
+    # the causal forward with seqlen_k = 1 there), with and without every option.
+    for seqlen_q, seqlen_k in ((239, 1), (1, 239), (64, 1), (1, 1), (17, 33)):
+        for causal in (False, True):
+            q, kv = (8, seqlen_q, 4, 256), (8, seqlen_k, 2, 256)
+            yield (f"bfloat16 D=256 {seqlen_q}x{seqlen_k}{' causal' if causal else ''}",
+                   fa_plan.check_problem(q, kv, kv, "bfloat16", "bfloat16", "bfloat16",
+                                         causal=causal), dict(num_sms=132))
+    q, kv = (8, 239, 4, 256), (8, 1, 2, 256)
+    yield ("bfloat16 D=256 239x1 every option",
+           fa_plan.check_problem(q, kv, kv, "bfloat16", "bfloat16", "bfloat16", causal=True,
+                                 softcap=30.0, dropout_p=0.1, bias_shape=(8, 4, 239, 1),
+                                 bias_dtype="bfloat16", alibi_shape=(4,),
+                                 alibi_dtype="float32"), dict(num_sms=132))
     yield ("bfloat16 D=128 varlen",
            fa_plan.check_problem((300, 4, 128), (300, 4, 128), (300, 4, 128), "bfloat16",
                                  "bfloat16", "bfloat16", causal=True,

@@ -25,6 +25,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .configs import ITEMSIZE, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -32,7 +34,7 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # Every array argument of the attention kernels, in signature order.
 ATTENTION_INPUTS = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k")
-BACKWARD_INPUTS = ("q", "k", "v", "dout", "lse", "delta", "bias", "slopes", "seed",
+BACKWARD_INPUTS = ("q", "k", "v", "dout", "lse", "lse_lo", "delta", "bias", "slopes", "seed",
                    "cu_seqlens_q", "cu_seqlens_k")
 
 Shape = tuple[int, ...]
@@ -206,42 +208,66 @@ def check_dtypes(q_dtype: str, k_dtype: str, v_dtype: str) -> str:
     return q_dtype
 
 
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
+def _real(name: str, value, expected: str = "a real number") -> float:
+    """A Python or numpy real scalar (a 0-d numpy array too) as a finite float."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}; got {_describe(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite; got {value}")
     return value
 
 
+FLOAT32_TINY = 2.0 ** -126  # the smallest normal fp32
+
+
 def normalize_softmax_scale(softmax_scale, head_dim: int) -> float:
-    """``None`` means head_dim ** -0.5; 0.0 is a legal scale (all scores equal)."""
+    """``None`` means head_dim ** -0.5; 0.0 is a legal scale (all scores equal). A scale
+    below fp32's normal range is 0.0: GPUs and XLA's CPU threads flush such fp32 values to
+    zero, and so every path takes it the same way."""
     if softmax_scale is None:
         return head_dim ** -0.5 if head_dim > 0 else 1.0
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(
-            f"softmax_scale must be a real number or None; got {type(softmax_scale).__name__}")
-    return _real("softmax_scale", softmax_scale)
+    value = _real("softmax_scale", softmax_scale, "a real number or None")
+    return 0.0 if abs(value) < FLOAT32_TINY else value
 
 
-def _window(window_size, causal: bool) -> tuple[int, int]:
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair (left, right) of ints; got {window_size!r}")
+def _describe(value) -> str:
+    """A value's type, and its shape when it has one, for error messages."""
+    shape = getattr(value, "shape", None)
+    text = type(value).__name__
+    if shape is not None:
+        text += f" of shape {tuple(shape)}"
+    return text
+
+
+def _window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(left, right) with causal folded in (right = 0). A side as wide as the sequences
+    bounds nothing and becomes -1: a window of any size (2**63 too) reaches no kernel."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints; got "
+                        f"{window_size!r}")
+    left, right = window_size
     for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
             raise TypeError(f"window_size {side} must be an int; got {type(value).__name__}")
         if value < -1:
             raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded); got {value}")
-    return int(left), 0 if causal else int(right)
+    # Row i sees keys i + (seqlen_k - seqlen_q) - left .. + right (per sequence with varlen,
+    # where these are the max lengths): left >= seqlen_k or right >= seqlen_q bounds nothing.
+    left = -1 if left >= seqlen_k else int(left)
+    right = 0 if causal else (-1 if right >= seqlen_q else int(right))
+    return left, right
+
+
+BIAS_DTYPES = DTYPES + ("float64",)  # read as fp32 (kernels/helpers.scores)
 
 
 def _check_bias(bias_shape, bias_dtype, full: Shape) -> Shape:
     shape = tuple(bias_shape)
-    if bias_dtype not in DTYPES:
-        raise TypeError(f"bias has dtype {bias_dtype}; expected one of {', '.join(DTYPES)}")
+    if bias_dtype not in BIAS_DTYPES:
+        raise TypeError(f"bias has dtype {bias_dtype}; expected one of {', '.join(BIAS_DTYPES)}")
     if len(shape) > 4:
         raise ValueError(f"bias must have at most 4 dimensions (batch, heads_q, seqlen_q, "
                          f"seqlen_k); got shape {shape}")
@@ -260,6 +286,14 @@ def _check_alibi(alibi_shape, alibi_dtype, batch: int, heads_q: int) -> Shape:
         raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or "
                          f"(batch, heads_q) = ({batch}, {heads_q}); got {shape}")
     return shape
+
+
+def check_dropout_p(dropout_p) -> float:
+    """The dropout probability as a float in [0, 1), or an error naming it."""
+    dropout_p = _real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    return dropout_p
 
 
 def check_bool(name: str, value) -> bool:
@@ -306,6 +340,10 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
     else:
         batch, seqlen_q, seqlen_k = _check_varlen(varlen)
         total_q, total_k = q_shape[0], k_shape[0]
+        for side, longest, total in (("q", seqlen_q, total_q), ("k", seqlen_k, total_k)):
+            if longest > total:  # the grid grows with it: never past what the arrays hold
+                raise ValueError(f"max_seqlen_{side} ({longest}) is larger than the number of "
+                                 f"packed tokens ({total}); pass at most {total}")
     if head_dim_k != head_dim:
         raise ValueError(
             f"q and k must have the same head_dim (last dimension); got q {q_shape}, k {k_shape}")
@@ -317,13 +355,11 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
             f"heads_q ({heads_q}) must be a multiple of heads_k ({heads_k}) for GQA/MQA; "
             f"got q {q_shape}, k {k_shape}")
     causal = check_bool("causal", causal)
-    window_left, window_right = _window(window_size, causal)
+    window_left, window_right = _window(window_size, causal, seqlen_q, seqlen_k)
     softcap = _real("softcap", softcap)
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0: off); got {softcap}")
-    dropout_p = _real("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    dropout_p = check_dropout_p(dropout_p)
     if bias_shape is not None:
         if varlen is not None:
             raise ValueError("bias is not supported with varlen inputs (use alibi_slopes or "
@@ -362,8 +398,10 @@ def _check_varlen(varlen: dict) -> tuple[int, int, int]:
     return shapes[0][0] - 1, maxes[0], maxes[1]
 
 
-def check_cu_seqlens(name: str, values, total: int) -> None:
-    """Check cu_seqlens values where they are on the host: start 0, non-decreasing, end total."""
+def check_cu_seqlens(name: str, values, total: int, max_seqlen: int | None = None) -> None:
+    """Check cu_seqlens values where they are on the host: start 0, non-decreasing, end
+    total, and no sequence longer than ``max_seqlen`` (the kernels would leave its tail
+    out)."""
     values = [int(x) for x in values]
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0; got {values[0]}")
@@ -371,14 +409,22 @@ def check_cu_seqlens(name: str, values, total: int) -> None:
         raise ValueError(f"{name} must be non-decreasing; got {values}")
     if values[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens ({total}); got {values[-1]}")
+    longest = max((b - a for a, b in zip(values, values[1:])), default=0)
+    if max_seqlen is not None and longest > max_seqlen:
+        side = name.rsplit("_", 1)[-1]
+        raise ValueError(f"max_seqlen_{side} ({max_seqlen}) is smaller than the longest sequence "
+                         f"in {name} ({longest} tokens); pass max_seqlen_{side} >= {longest}")
 
 
 RING_LAYOUTS = ("contiguous", "zigzag")
 
 
-def check_ring(q_shape: Shape, k_shape: Shape, v_shape: Shape, causal: bool, layout: str) -> str:
-    """Validate one rank's slices for ring attention; returns the layout to use (the
-    layout only matters for causal attention: without it every slice is alike)."""
+def check_ring(q_shape: Shape, k_shape: Shape, v_shape: Shape, causal, layout: str,
+               softmax_scale=None) -> tuple[bool, float, str]:
+    """Validate one rank's slices and options for ring attention; returns (causal,
+    softmax_scale, layout), the layout to use (the layout only matters for causal
+    attention: without it every slice is alike)."""
+    causal = check_bool("causal", causal)
     if layout not in RING_LAYOUTS:
         raise ValueError(f"layout must be one of {RING_LAYOUTS}; got {layout!r}")
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
@@ -389,7 +435,8 @@ def check_ring(q_shape: Shape, k_shape: Shape, v_shape: Shape, causal: bool, lay
     if layout == "zigzag" and causal and q_shape[1] % 2:
         raise ValueError(f"the zigzag layout holds two chunks per device: the local seqlen "
                          f"must be even; got {q_shape[1]}")
-    return layout if causal else "contiguous"
+    scale = normalize_softmax_scale(softmax_scale, q_shape[-1])
+    return causal, scale, layout if causal else "contiguous"
 
 
 def contiguous_strides(shape: Shape) -> Shape:
@@ -402,7 +449,7 @@ def contiguous_strides(shape: Shape) -> Shape:
 
 
 def _strides(name: str, shape: Shape, strides: Shape | None) -> Shape:
-    if strides is None:
+    if strides is None or math.prod(shape) == 0:  # an empty array is read nowhere
         return contiguous_strides(shape)
     strides = tuple(int(s) for s in strides)
     if len(strides) != len(shape):
@@ -461,10 +508,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def score_unit(p: AttentionProblem) -> float:
+    """What the kernels multiply natural-log logits by: log2(e) (they work in base 2), or
+    1 with a bias, whose finite masks (down to finfo.min) would overflow in base 2."""
+    return 1.0 if p.bias_shape is not None else LOG2E
+
+
 def _feature_scalars(p: AttentionProblem) -> tuple:
     softcap_scale = p.softmax_scale / p.softcap if p.softcap else 0.0
-    return (softcap_scale, p.softcap * LOG2E, p.dropout_p, 1.0 / (1.0 - p.dropout_p),
+    return (softcap_scale, p.softcap * score_unit(p), p.dropout_p, 1.0 / (1.0 - p.dropout_p),
             p.window_left, p.window_right)
+
+
+def _lengths(p: AttentionProblem) -> tuple:
+    """(seqlen_q, seqlen_k, total_q, total_k): with varlen, the max lengths and the packed
+    token counts that the kernels clamp device-side cu_seqlens to."""
+    return p.seqlen_q, p.seqlen_k, p.total_q, p.total_k
 
 
 def _feature_constexprs(p: AttentionProblem) -> dict:
@@ -558,11 +617,19 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
-    use_tma = _use_tma(cfg, tma, capability, p.dtype, k_st, v_st)
-    results = (Output("out", p.out_shape, p.dtype), Output("lse", p.lse_shape, "float32"))
+    # With one key block there is nothing to stream: no descriptors unless a caller asks
+    # (ptxas 12.8 crashes on the D = 256 causal forward with seqlen_k = 1 through them).
+    use_tma = _use_tma(cfg, tma if tma is not None or key_blocks > 1 else False, capability,
+                       p.dtype, k_st, v_st)
+    # Varlen: rows that device-side cu_seqlens leave uncovered (bad values, clamped in the
+    # kernels) read as zeros, never as uninitialised memory.
+    results = (Output("out", p.out_shape, p.dtype, zeroed=p.varlen),
+               Output("lse", p.lse_shape, "float32", zeroed=p.varlen),
+               Output("lse_lo", p.lse_shape, "float32"))  # written and read with a bias only
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
-                   Output("lse_partial", (num_splits, *p.lse_shape), "float32"))
+                   Output("lse_partial", (num_splits, *p.lse_shape), "float32"),
+                   Output("lse_lo_partial", (num_splits, *p.lse_shape), "float32"))
         split_strides = (math.prod(p.out_shape), math.prod(p.lse_shape))
     else:
         outputs, split_strides = results, (0, 0)
@@ -570,7 +637,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         kernel="attention_forward",
         grid=(blocks * num_splits, heads, p.batch),
         inputs=ATTENTION_INPUTS,
-        scalars=(p.softmax_scale * LOG2E, *_feature_scalars(p), p.seqlen_q, p.seqlen_k,
+        scalars=(p.softmax_scale * score_unit(p), *_feature_scalars(p), *_lengths(p),
                  *q_st, *k_st, *v_st, *o_st, *l_st, *_bias_alibi_scalars(p, bias_strides),
                  num_splits, *split_strides),
         outputs=outputs,
@@ -589,11 +656,12 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         combine = Launch(
             kernel="attention_forward_combine",
             grid=(_cdiv(p.seqlen_q, block_m), p.heads_q, p.batch),
-            inputs=("out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k"),
-            scalars=(p.seqlen_q, num_splits, *o_st, *l_st, *split_strides),
+            inputs=("out_partial", "lse_partial", "lse_lo_partial", "cu_seqlens_q",
+                    "cu_seqlens_k"),
+            scalars=(p.seqlen_q, p.total_q, num_splits, *o_st, *l_st, *split_strides),
             outputs=results,
             constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m,
-                            IS_VARLEN=p.varlen),
+                            IS_VARLEN=p.varlen, HAS_BIAS=p.bias_shape is not None),
             num_warps=4,
             num_stages=1,
         )
@@ -645,8 +713,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         num_stages=pre.num_stages,
     )
 
-    common_scalars = (p.softmax_scale, p.softmax_scale * LOG2E, *_feature_scalars(p),
-                      p.seqlen_q, p.seqlen_k, *q_st, *k_st, *v_st, *do_st, *l_st,
+    common_scalars = (p.softmax_scale, p.softmax_scale * score_unit(p), *_feature_scalars(p),
+                      *_lengths(p), *q_st, *k_st, *v_st, *do_st, *l_st,
                       *_bias_alibi_scalars(p, bias_strides))
     aligned = _aligned(q_st, k_st, v_st, do_st, dq_st, dkv_st)
 
@@ -664,7 +732,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dkv_st, *dkv_st),
-        outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
+        outputs=(Output("dk", p.kv_shape, p.dtype, zeroed=p.varlen),
+                 Output("dv", p.kv_shape, p.dtype, zeroed=p.varlen)),
         constexprs=constexprs(kv, **_tma_flags(kv, tma, capability, p.dtype,
                                                streamed=(q_st, do_st), held=(k_st, v_st)),
                               DKDV_PARTS=parts),
@@ -681,7 +750,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),
         inputs=BACKWARD_INPUTS,
         scalars=(*common_scalars, *dq_st, *dbias_st),
-        outputs=(Output("dq", p.q_shape, p.dtype), dbias),
+        outputs=(Output("dq", p.q_shape, p.dtype, zeroed=p.varlen), dbias),
         constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
                               **_tma_flags(qc, tma, capability, p.dtype,
                                            streamed=(k_st, v_st), held=(q_st, do_st))),
@@ -695,9 +764,14 @@ def dropout_mask_plan(batch: int, heads: int, seqlen_q: int, seqlen_k: int, drop
                       *, capability: tuple[int, int] | None) -> Launch:
     """The keep mask (batch, heads, seqlen_q, seqlen_k) int8 that attention draws for
     this seed; input ``seed`` (4,) int32 as the attention kernels take it."""
-    dropout_p = _real("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    dropout_p = check_dropout_p(dropout_p)
+    for name, value in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q),
+                        ("seqlen_k", seqlen_k)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0; got {value}")
+    batch, heads, seqlen_q, seqlen_k = map(int, (batch, heads, seqlen_q, seqlen_k))
     shape = (batch, heads, seqlen_q, seqlen_k)
     st = contiguous_strides(shape)
     cfg = tile_config("forward", 16, "float32", seqlen_q, seqlen_k, capability)

@@ -21,9 +21,9 @@ for step in "$@"; do
       timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -n "${WORKERS:-12}" $dist -p no:cacheprovider \
         -p no:benchmark -rfE -v --durations=15 ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-tests} \
         > "$out/test.log" 2>&1; grep -E "FAILED|ERROR" "$out/test.log" | head -30; tail -3 "$out/test.log" ;;
-    memcheck)
+    memcheck)  # the usual shapes, then bad device and traced cu_seqlens and huge windows
       timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
-        "$py" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_features.py -k "torch and (test_gqa or 113x70 or (head_dims and bfloat16 and True) or combined or (window and 64x130))" \
+        "$py" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_features.py tests/test_bounds.py -k "${MEMCHECK_K:-(torch and (test_gqa or 113x70 or (head_dims and bfloat16 and True) or combined or (window and 64x130))) or cu_seqlens or huge_windows}" \
         2>&1 | tee "$out/memcheck.log" | tail -15 ;;
     bench)
       timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$out" \

@@ -192,12 +192,13 @@ def check_with_every_option(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k,
 
 def check_against_reference(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
                             dtype, causal, softmax_scale=None, seed=0, bias_shape=None,
-                            key_ramp=0.0, **options):
+                            key_ramp=0.0, bias_values=None, **options):
     """Our forward, LSE and gradients against float64, by flash-attn's tolerance rule.
 
     ``options`` go to the front end (window_size, softcap, alibi_slopes, dropout_p with
     dropout_seed); the reference gets the keep mask the kernel drew. ``key_ramp`` scales
     key j by ``1 + key_ramp * j / seqlen_k``: scores that grow along the keys.
+    ``bias_values``: this bias (a mask, say) instead of a random one of ``bias_shape``.
     """
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed)
     if key_ramp:
@@ -206,7 +207,9 @@ def check_against_reference(runner, batch, seqlen_q, seqlen_k, heads_q, heads_k,
     gen = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype).to(q.device)
     bias = None
-    if bias_shape is not None:
+    if bias_values is not None:
+        bias = bias_values.to(q.device)
+    elif bias_shape is not None:
         bias = torch.randn(bias_shape, generator=gen).to(q.dtype).to(q.device)
     out, lse, grads = runner(q, k, v, dout, causal=causal, softmax_scale=softmax_scale,
                              bias=bias, **options)

@@ -54,10 +54,20 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, bias=None,
         scores = scores - slopes * distance
     visible = visible_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    seen = visible.any(dim=-1)  # rows with no visible key: output 0, lse -inf
-    probs = torch.where(seen[:, None], torch.exp(scores - torch.where(seen, lse, 0.0)[..., None]),
-                        torch.zeros((), dtype=accum, device=q.device))
+    # A row with no visible key (by the mask, or a -inf bias on every key): output 0,
+    # lse -inf, no gradient. Its scores are replaced before the softmax so that no
+    # -inf - -inf reaches autograd. Every other row is exp(s - max) / sum, the max
+    # subtracted first: with a finite mask as large as -1e30 on every key, max + log(sum)
+    # would lose the log(sum) even in float64.
+    zero = torch.zeros((), dtype=accum, device=q.device)
+    seen = (scores > float("-inf")).any(dim=-1)
+    safe = torch.where(seen[..., None], scores, zero)
+    row_max = (safe.detach().amax(dim=-1, keepdim=True) if seqlen_k else
+               safe.new_zeros((*safe.shape[:-1], 1)))
+    weights = torch.exp(safe - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = torch.where(seen, (row_max + torch.log(total)).squeeze(-1), float("-inf"))
+    probs = torch.where(seen[..., None], weights / total, zero)
     if dropout_p > 0:
         probs = probs * dropout_keep.to(probs.device) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(compute_dtype), v)

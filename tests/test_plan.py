@@ -25,6 +25,22 @@ def test_problem_fields():
     assert problem(q_dtype="float32", k_dtype="float32", v_dtype="float32").dot_precision == "ieee"
 
 
+def scalars_by_name(launch) -> dict:
+    """A launch's scalars keyed by the kernel's parameter names (they follow the inputs)."""
+    from fa_kernels.registry import KERNELS
+
+    names = [n for n in KERNELS[launch.kernel].arg_names if n not in launch.constexprs]
+    names = names[len(launch.inputs):len(launch.inputs) + len(launch.scalars)]
+    assert len(names) == len(launch.scalars)
+    return dict(zip(names, launch.scalars))
+
+
+def strides(scalars: dict, array: str) -> tuple:
+    """(batch, seq, head) strides of one array (q, k, v, o...) from scalars_by_name."""
+    return tuple(scalars[f"stride_{array}{axis}"] for axis in ("b", "m" if array in "qo" else "n",
+                                                               "h"))
+
+
 @pytest.mark.parametrize("capability", [None, (9, 0), (8, 0)])
 def test_forward_grid_and_strides(capability):
     p = problem()
@@ -32,16 +48,18 @@ def test_forward_grid_and_strides(capability):
     launch = fwd.launch
     block_m = launch.constexprs["BLOCK_M"]
     assert launch.grid == (-(-100 // block_m), 8, 2)
-    # scalars: qk_scale, softcap_scale, softcap*log2e, dropout_p, 1/(1-p), window left/right,
-    # seqlen_q, seqlen_k, then (batch, seq, head) strides of q, k, v, out; lse; bias; slopes.
-    assert launch.scalars[0] == pytest.approx(72 ** -0.5 * 1.4426950408889634)
-    assert launch.scalars[5:9] == (-1, -1, 100, 300)
-    assert launch.scalars[9:12] == (100 * 8 * 72 * 3, 8 * 72 * 3, 72)
-    assert launch.scalars[12:15] == (300 * 2 * 72, 2 * 72, 72)
-    assert launch.scalars[18:21] == (100 * 8 * 72, 8 * 72, 72)
-    assert launch.scalars[21:23] == (8 * 100, 100)
-    assert launch.scalars[23:] == (0, 0, 0, 0, 0, 1, 0, 0)  # bias, slopes; no split-KV
-    assert [o.shape for o in launch.outputs] == [(2, 100, 8, 72), (2, 8, 100)]
+    scalars = scalars_by_name(launch)
+    assert scalars["qk_scale"] == pytest.approx(72 ** -0.5 * 1.4426950408889634)
+    assert [scalars[n] for n in ("window_left", "window_right", "seqlen_q", "seqlen_k",
+                                 "total_q", "total_k")] == [-1, -1, 100, 300, 0, 0]
+    assert strides(scalars, "q") == (100 * 8 * 72 * 3, 8 * 72 * 3, 72)
+    assert strides(scalars, "k") == (300 * 2 * 72, 2 * 72, 72)
+    assert strides(scalars, "o") == (100 * 8 * 72, 8 * 72, 72)
+    assert (scalars["stride_lb"], scalars["stride_lh"]) == (8 * 100, 100)
+    assert [scalars[n] for n in ("stride_bb", "stride_bh", "stride_bm", "stride_bn",
+                                 "stride_sb", "num_splits", "stride_os", "stride_ls")] == [
+        0, 0, 0, 0, 0, 1, 0, 0]  # no bias, no slopes, no split-KV
+    assert [o.shape for o in launch.outputs] == [(2, 100, 8, 72), (2, 8, 100), (2, 8, 100)]
     assert launch.constexprs["GROUP_SIZE"] == 4 and launch.constexprs["HEAD_DIM"] == 72
 
 
@@ -166,7 +184,9 @@ def test_varlen_layout():
     # 30 queries of 4 heads a group: one tile of (query, head) rows per K/V head (packed GQA)
     assert launch.grid == (-(-120 // launch.constexprs["BLOCK_M"]), 2, 3)
     assert launch.constexprs["IS_VARLEN"] and launch.constexprs["PACK_GQA"]
-    assert launch.scalars[9:12] == (0, 8 * 64, 64)  # no batch stride in a packed array
+    scalars = scalars_by_name(launch)
+    assert strides(scalars, "q") == (0, 8 * 64, 64)  # no batch stride in a packed array
+    assert (scalars["total_q"], scalars["total_k"]) == (50, 70)
 
 
 @pytest.mark.parametrize("group, seqlen_q, packed", [(1, 1, False), (4, 1, True), (4, 63, True),
@@ -204,10 +224,11 @@ def test_split_kv_plan():
         "attention_forward", "attention_forward_combine"]
     assert fwd.launch.grid == (fwd.num_splits, 8, 2) and fwd.launch.constexprs["SPLIT_KV"]
     assert [o.shape for o in fwd.launch.outputs] == [(fwd.num_splits, 2, 1, 8, 64),
+                                                     (fwd.num_splits, 2, 8, 1),
                                                      (fwd.num_splits, 2, 8, 1)]
     assert fwd.launch.scalars[-3:] == (fwd.num_splits, 2 * 8 * 64, 2 * 8)
-    assert fwd.combine.inputs[:2] == ("out_partial", "lse_partial")
-    assert [o.name for o in fwd.combine.outputs] == ["out", "lse"]
+    assert fwd.combine.inputs[:3] == ("out_partial", "lse_partial", "lse_lo_partial")
+    assert [o.name for o in fwd.combine.outputs] == ["out", "lse", "lse_lo"]
     assert plan.forward_plan(p, capability=(9, 0)).launches == (
         plan.forward_plan(p, capability=(9, 0)).launch,)
 

@@ -107,7 +107,71 @@ OPTION_CASES = [
     ("alibi dtype", {"alibi_slopes": "alibi_half"}, TypeError, r"alibi_slopes must be float32"),
     ("deterministic type", {"deterministic": "yes"}, TypeError,
      r"deterministic must be a bool; got str"),
+    ("return_lse type", {"return_lse": "yes"}, TypeError, r"return_lse must be a bool; got str"),
+    ("scale list", {"softmax_scale": [0.5]}, TypeError,
+     r"softmax_scale must be a real number or None; got list"),
+    ("softcap list", {"softcap": [1.0]}, TypeError, r"softcap must be a real number; got list"),
+    ("dropout list", {"dropout_p": [0.1]}, TypeError, r"dropout_p must be a real number; got list"),
+    ("dropout None", {"dropout_p": None}, TypeError, r"dropout_p must be a real number"),
+    ("causal list", {"causal": [True]}, TypeError, r"causal must be a bool; got list"),
+    ("window dict", {"window_size": {0: 1, 1: 0}}, TypeError, r"window_size must be a pair"),
+    ("seed garbage without dropout", {"dropout_seed": "garbage"}, TypeError,
+     r"dropout_seed must be"),
+    ("seed bool", {"dropout_p": 0.1, "dropout_seed": True}, TypeError, r"dropout_seed must be"),
+    ("seed negative", {"dropout_p": 0.1, "dropout_seed": -1}, ValueError,
+     r"dropout_seed must be in \[0, 2\*\*64\)"),
 ]
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("seed", [np.int64(7), np.uint32(7), 7])
+def test_numpy_int_seeds(front, seed):
+    """Both front ends take Python and numpy ints as seeds, with the same mask."""
+    q = t(1, 8, 2, 16, dtype=torch.float32)
+    out = FRONTS[front](q, q, q, dropout_p=0.5, dropout_seed=seed)
+    want = FRONTS[front](q, q, q, dropout_p=0.5, dropout_seed=7)
+    np.testing.assert_array_equal(np.asarray(out if front == "jax" else out.cpu()),
+                                  np.asarray(want if front == "jax" else want.cpu()))
+
+
+@pytest.mark.parametrize("seed", [torch.tensor(1 + 2j), torch.tensor(True), torch.tensor(0.5)],
+                         ids=["complex", "bool", "float"])
+def test_torch_seed_tensor_dtype(seed):
+    q = t(1, 8, 2, 16)
+    with pytest.raises(TypeError, match=r"dropout_seed tensor must hold 1 or 2 integers"):
+        torch_call(q, q, q, dropout_p=0.1, dropout_seed=seed)
+
+
+def test_jax_seed_must_be_one_key():
+    import jax
+
+    q = t(1, 8, 2, 16)
+    with pytest.raises(TypeError, match=r"dropout_seed must be one PRNG key; got an array of "
+                                        r"keys of shape \(4,\)"):
+        jax_call(q, q, q, dropout_p=0.1, dropout_seed=jax.random.split(jax.random.key(0), 4))
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_scalar_like_options_are_taken(front):
+    """A 0-d numpy scale, a 0-d bias, a float64 bias and empty inputs are fine."""
+    q = t(1, 8, 2, 16, dtype=torch.float32)
+    bias64 = torch.zeros(8, 8, dtype=torch.float64, device=DEVICE)
+    bias64[:, 0] = -1e300  # finite in fp64, beyond fp32: a finite mask, not -inf
+    plain = FRONTS[front](q, q, q, softmax_scale=0.25)
+    conv = (lambda x: to_numpy(x)) if front == "jax" else (lambda x: x)
+    for options in ({"softmax_scale": np.array(0.25)}, {"softmax_scale": 0.25,
+                                                         "bias": conv(torch.tensor(3.0))}):
+        got = FRONTS[front](q, q, q, **options)
+        np.testing.assert_allclose(np.asarray(got if front == "jax" else got.cpu()),
+                                   np.asarray(plain if front == "jax" else plain.cpu()),
+                                   rtol=1e-6, atol=1e-6)
+    if front == "torch":  # (jax without x64 has no float64 arrays)
+        got = torch_call(q, q, q, softmax_scale=0.25, bias=bias64)
+        want = torch_call(q, q, q, softmax_scale=0.25, bias=bias64.float().clamp(min=-3e38))
+        assert torch.equal(got, want)
+    empty = t(0, 8, 2, 16, dtype=torch.float32)
+    assert tuple(FRONTS[front](empty, empty, empty).shape) == (0, 8, 2, 16)
+
 
 
 def _option_value(value):
@@ -162,3 +226,87 @@ def test_bad_varlen(front, case):
             import fa_jax
 
             fa_jax.attention_varlen(*(to_numpy(x) for x in (q, k, v, cu_q.cpu(), cu_k.cpu())), 8, 8)
+
+
+FLASH_ATTN_CASES = [
+    ("dropout str", lambda q: fa().flash_attn_func(q, q, q, dropout_p="0.1"), TypeError,
+     r"dropout_p must be a real number; got str"),
+    ("qkv rank", lambda q: fa().flash_attn_qkvpacked_func(q), ValueError,
+     r"qkv must have shape \(batch, seqlen, 3, nheads, headdim\); got \(1, 8, 2, 16\)"),
+    ("kv list", lambda q: fa().flash_attn_kvpacked_func(q, [q, q]), TypeError,
+     r"kv must be a torch.Tensor"),
+    ("varlen qkv rank", lambda q: fa().flash_attn_varlen_qkvpacked_func(
+        q[0], torch.tensor([0, 8], dtype=torch.int32, device=DEVICE), 8), ValueError,
+     r"qkv must have shape \(total, 3, nheads, headdim\)"),
+    ("mha heads", lambda q: fa().nn.MultiheadAttention(32, 0), ValueError,
+     r"num_heads must be >= 1; got 0"),
+    ("mha dropout", lambda q: fa().nn.MultiheadAttention(32, 4, dropout=1.5), ValueError,
+     r"dropout_p must be in \[0, 1\); got 1.5"),
+    ("dropout_mask negative", lambda q: fa().dropout_mask(1, -1, 2, 3, 4, 0.1), ValueError,
+     r"batch must be >= 0; got -1"),
+    ("dropout_mask float", lambda q: fa().dropout_mask(1, 1, 2.5, 3, 4, 0.1), TypeError,
+     r"heads must be an int; got float"),
+]
+
+
+def fa():
+    import fa_torch
+
+    return fa_torch
+
+
+@pytest.mark.parametrize("case", FLASH_ATTN_CASES, ids=[c[0] for c in FLASH_ATTN_CASES])
+def test_torch_api_errors(case):
+    _, call, error, message = case
+    with pytest.raises(error, match=message):
+        call(t(1, 8, 2, 16))
+
+
+JAX_API_CASES = [
+    ("flax rank 2", lambda jx: jx.flax.attention_fn(np.zeros((8, 16), np.float32),
+                                                     np.zeros((8, 16), np.float32),
+                                                     np.zeros((8, 16), np.float32)),
+     ValueError, r"query must have shape \(batch..., length, heads, depth\); got shape \(8, 16\)"),
+    ("ring outside shard_map", lambda jx: jx.ring.ring_attention(*(np.zeros((1, 8, 2, 16),
+                                                                             np.float32),) * 3,
+                                                                 "x"),
+     ValueError, r"ring_attention needs the mesh axis 'x' bound"),
+    ("ring causal str", lambda jx: jx.ring.ring_attention(*(np.zeros((1, 8, 2, 16),
+                                                                      np.float32),) * 3, "x",
+                                                          causal="no"),
+     TypeError, r"causal must be a bool; got str"),
+    ("ring scale str", lambda jx: jx.ring.ring_attention(*(np.zeros((1, 8, 2, 16),
+                                                                     np.float32),) * 3, "x",
+                                                         softmax_scale="abc"),
+     TypeError, r"softmax_scale must be a real number or None; got str"),
+    ("ring sharded rank", lambda jx: jx.ring.ring_attention_sharded(
+        *(np.zeros((8, 2, 16), np.float32),) * 3, _mesh(), "x"),
+     ValueError, r"q must have 4 dimensions"),
+    ("dropout_mask negative", lambda jx: jx.dropout_mask(1, 1, 2, -3, 4, 0.1), ValueError,
+     r"seqlen_q must be >= 0; got -3"),
+]
+
+
+def _mesh():
+    import jax
+
+    return jax.make_mesh((len(jax.devices()),), ("x",))
+
+
+@pytest.mark.parametrize("case", JAX_API_CASES, ids=[c[0] for c in JAX_API_CASES])
+def test_jax_api_errors(case):
+    import fa_jax
+
+    _, call, error, message = case
+    with pytest.raises(error, match=message):
+        call(fa_jax)
+
+
+def test_torch_ring_options():
+    import fa_torch.ring
+
+    q = t(1, 8, 2, 16)
+    with pytest.raises(TypeError, match=r"causal must be a bool; got str"):
+        fa_torch.ring.ring_attention(q, q, q, causal="no")
+    with pytest.raises(TypeError, match=r"softmax_scale must be a real number or None"):
+        fa_torch.ring.ring_attention(q, q, q, softmax_scale="abc")
