@@ -81,7 +81,8 @@ def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seql
                    bias_dtype=None if bias is None else name(bias.dtype),
                    alibi_shape=None if alibi_slopes is None else tuple(alibi_slopes.shape),
                    alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype))
-    if varlen is None and type(window_size) is tuple:
+    # (Under torch.compile the checks are traced once into the graph: no cache there.)
+    if varlen is None and type(window_size) is tuple and not torch.compiler.is_compiling():
         types = tuple(map(type, (*options.values(), *window_size)))
         key = (arrays, tuple(options.items()), types)
         try:

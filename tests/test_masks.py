@@ -135,7 +135,8 @@ def test_flax_adapter_gives_flax_results(mask_name, with_bias):
     theirs = jax.value_and_grad(lambda *a: loss(nn.dot_product_attention, *a), argnums,
                                 has_aux=True)
     (_, out), grads = jax.jit(ours)(q, k, v, bias)
-    (_, want), want_grads = theirs(q, k, v, bias)
+    with jax.default_matmul_precision("highest"):  # (not TF32 on the GPU: the fp32 truth)
+        (_, want), want_grads = theirs(q, k, v, bias)
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5)
     for name, g, w in zip("q k v bias".split(), grads, want_grads):
         np.testing.assert_allclose(g, w, atol=5e-6, rtol=1e-5, err_msg=f"d{name}")
@@ -159,7 +160,8 @@ def test_flax_nnx_padding_mask_gradients():
     def loss(model):
         return jnp.sum(jnp.sin(model(x, mask=mask)))
 
-    got, want = nnx.grad(loss)(ours), nnx.grad(loss)(theirs)
+    with jax.default_matmul_precision("highest"):  # (fp32 products on the GPU too)
+        got, want = nnx.grad(loss)(ours), nnx.grad(loss)(theirs)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 

@@ -159,8 +159,8 @@ def test_scalar_like_options_are_taken(front):
     bias64[:, 0] = -1e300  # finite in fp64, beyond fp32: a finite mask, not -inf
     plain = FRONTS[front](q, q, q, softmax_scale=0.25)
     conv = (lambda x: to_numpy(x)) if front == "jax" else (lambda x: x)
-    for options in ({"softmax_scale": np.array(0.25)}, {"softmax_scale": 0.25,
-                                                         "bias": conv(torch.tensor(3.0))}):
+    for options in ({"softmax_scale": np.array(0.25)},
+                    {"softmax_scale": 0.25, "bias": conv(torch.tensor(3.0, device=DEVICE))}):
         got = FRONTS[front](q, q, q, **options)
         np.testing.assert_allclose(np.asarray(got if front == "jax" else got.cpu()),
                                    np.asarray(plain if front == "jax" else plain.cpu()),
@@ -169,7 +169,7 @@ def test_scalar_like_options_are_taken(front):
         got = torch_call(q, q, q, softmax_scale=0.25, bias=bias64)
         want = torch_call(q, q, q, softmax_scale=0.25, bias=bias64.float().clamp(min=-3e38))
         assert torch.equal(got, want)
-    empty = t(0, 8, 2, 16, dtype=torch.float32)
+    empty = torch.from_numpy(np.empty((0, 8, 2, 16), np.float32)).to(DEVICE)
     assert tuple(FRONTS[front](empty, empty, empty).shape) == (0, 8, 2, 16)
 
 
