@@ -1,4 +1,4 @@
-"""Pick block sizes, warps and stages for ``kernels/configs.py`` on the GPU.
+"""Pick block sizes, warps and stages for ``kernels/fa_kernels/configs.py`` on the GPU.
 
 For each (kernel, head dim) it times every candidate config of that one kernel
 (forward, backward dK/dV, backward dQ) on a representative problem, causal and not,
@@ -321,7 +321,7 @@ def main(argv=None):
     parser.add_argument("--decode", action="store_true",
                         help="tune the forward for few query rows (decode) instead")
     parser.add_argument("--write", action="store_true",
-                        help="with --decode: write the winners into kernels/configs.py")
+                        help="with --decode: write the winners into kernels/fa_kernels/configs.py")
     args = parser.parse_args(argv)
     if args.decode:
         return tune_decode(args)

@@ -132,7 +132,7 @@ def _kinds(names, options: Options):
 # ------------------------------------------------------------------------------- the ops
 
 
-FORWARD_OUTPUTS = ("out", "lse", "lse_lo")  # lse_lo: kernels/helpers.final_lse
+FORWARD_OUTPUTS = ("out", "lse", "lse_lo")  # lse_lo: fa_kernels.helpers.final_lse
 BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "lse_lo", "dout", "dlse")
 OPERANDS = {"forward": ARRAY_NAMES, "backward": BACKWARD_NAMES}
 

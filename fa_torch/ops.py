@@ -148,7 +148,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, lse_lo); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen);
     lse_lo, shaped like lse, is what the backward needs of the LSE beyond lse (with a
-    bias; kernels/helpers.final_lse)."""
+    bias; kernels/fa_kernels/helpers.py: final_lse)."""
     return _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
                          window_right, softcap, dropout_p)

@@ -102,7 +102,7 @@ def _attend(q, k, v, causal, scale):
 
 
 def _grads(q, k, v, out, lse, dout, causal, scale):
-    # No bias here: the kernels read no lse_lo (kernels/helpers.final_lse).
+    # No bias here: the kernels read no lse_lo (fa_kernels.helpers.final_lse).
     dq, dk, dv, _ = ops.attention_backward(dout, q, k, v, out, lse, lse, None, None, None, None,
                                            None, None, 0, 0, causal, scale, -1, -1, 0.0, 0.0,
                                            False)

@@ -5,7 +5,7 @@
 #   2. python3 as it is, when it already satisfies the ranges (the GPU machine, which has
 #      no network: torch, triton and jax come with its image);
 #   3. otherwise a local .venv, installed from constraints-cpu.txt (what CI uses).
-# Either way the project itself is installed editable (fa_kernels lives in kernels/).
+# Either way the project itself is installed editable (fa_kernels lives in kernels/fa_kernels/).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -28,7 +28,7 @@ PY
 
 install_project() {
   if ! "$1" -c "import fa_kernels, fa_torch, fa_jax" >/dev/null 2>&1 \
-     || [ "$("$1" -c 'import fa_kernels, os; print(os.path.dirname(os.path.dirname(fa_kernels.__file__)))' 2>/dev/null)" != "$root" ]; then
+     || [ "$("$1" -c 'import fa_kernels, os; print(os.path.dirname(fa_kernels.__file__))' 2>/dev/null)" != "$root/kernels/fa_kernels" ]; then
     echo "env.sh: installing the project (editable) into $1" >&2
     "$1" -m pip install -q --no-build-isolation --no-deps -e "$root" >&2
   fi
@@ -45,7 +45,7 @@ else
     base="$(command -v python3.11 || command -v python3)"
     [ -x "$py" ] || "$base" -m venv "$root/.venv" >&2
     "$py" -m pip install -q -c constraints-cpu.txt setuptools wheel \
-      torch triton jax jaxlib numpy pytest pytest-xdist hypothesis flax optax \
+      torch triton jax jaxlib numpy pytest pytest-xdist hypothesis flax optax transformers \
       matplotlib tqdm 2>&1 | grep -v "^WARNING: Location" >&2 || true
     satisfied "$py" || { echo "env.sh: the install did not give the required packages" >&2; exit 1; }
   fi

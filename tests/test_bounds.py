@@ -136,7 +136,7 @@ def test_subnormal_scale_is_zero_in_both_front_ends():
 @pytest.mark.parametrize("seqlens", [(239, 1), (1, 239)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_head_dim_256_causal_short(front, seqlens):
     """flash-attn's test_flash_attn_causal[1-239-True-256-...]: the table's D = 256 entry
-    once crashed ptxas at seqlen_k = 1 (kernels/offline.py compiles it on the CPU)."""
+    once crashed ptxas at seqlen_k = 1 (fa_kernels.offline compiles it on the CPU)."""
     from .common import check_against_reference
 
     check_against_reference(RUNNERS[front], 2, *seqlens, 2, 2, 256, "bfloat16", True)

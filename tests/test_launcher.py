@@ -1,4 +1,4 @@
-"""kernels/launcher.py: the JIT once per specialisation, then the compiled kernel.
+"""fa_kernels.launcher: the JIT once per specialisation, then the compiled kernel.
 
 On the GPU every test launches through it; here a stand-in JIT kernel checks the
 bookkeeping: what is cached, what makes a new specialisation, the argument order."""

@@ -109,7 +109,7 @@ def test_pipeline_no_deeper_than_the_loop(kernel, streamed_by_q):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tiles_fit_shared_memory(capability, dtype):
     # Every entry, with a bias and its gradient or without, fits the device's shared
-    # memory (kernels/offline.py compiles them and checks Triton's own numbers).
+    # memory (fa_kernels.offline compiles them and checks Triton's own numbers).
     from fa_kernels import configs
 
     limit = configs.shared_memory_limit(capability)

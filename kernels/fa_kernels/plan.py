@@ -261,7 +261,7 @@ def _window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[in
     return left, right
 
 
-BIAS_DTYPES = DTYPES + ("float64",)  # read as fp32 (kernels/helpers.scores)
+BIAS_DTYPES = DTYPES + ("float64",)  # read as fp32 (helpers.scores)
 
 
 def _check_bias(bias_shape, bias_dtype, full: Shape) -> Shape:

@@ -1,6 +1,8 @@
 """FlashAttention-2 Triton kernels and their framework-neutral launch plan.
 
-Import name ``fa_kernels`` (folder ``kernels/``). Nothing here imports torch or jax.
+Import name ``fa_kernels`` (folder ``kernels/fa_kernels/``: nothing named ``kernels`` is
+importable from the repository's root, where it would shadow the ``kernels`` package that
+transformers uses). Nothing here imports torch or jax.
 Importing this package decides, before triton is imported, whether the kernels are
 compiled (a CUDA GPU is present) or interpreted (no GPU): see ``runtime``.
 """

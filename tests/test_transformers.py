@@ -1,0 +1,112 @@
+"""transformers models with attn_implementation="fa_torch" against transformers' own
+attention (sdpa; eager for Gemma-2, whose softcap sdpa refuses): tiny random models built
+from config classes (no downloads), fp32, no padding, right padding and left padding;
+logits at the real tokens, every parameter's gradient, and greedy generation."""
+import pytest
+import torch
+
+from .common import DEVICE, ON_GPU
+
+transformers = pytest.importorskip("transformers")
+
+import fa_torch.transformers as fa_transformers  # noqa: E402
+
+
+def _configs():
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  attention_dropout=0.0)
+    return {
+        "llama": (transformers.LlamaConfig(**common), "sdpa"),
+        "mistral": (transformers.MistralConfig(**common, sliding_window=5), "sdpa"),
+        "qwen2": (transformers.Qwen2Config(**common), "sdpa"),
+        "gemma2": (transformers.Gemma2Config(**common, head_dim=16, sliding_window=5,
+                                             attn_logit_softcapping=20.0,
+                                             final_logit_softcapping=None,
+                                             query_pre_attn_scalar=24), "eager"),
+    }
+
+
+def _model(name, implementation):
+    config, _ = _configs()[name]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config,
+                                                          attn_implementation=implementation)
+    return model.to(DEVICE).float()
+
+
+def _batch(padding, batch=2, seqlen=12):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (batch, seqlen), generator=gen)
+    mask = torch.ones(batch, seqlen, dtype=torch.long)
+    if padding == "right":
+        mask[1, -5:] = 0
+    elif padding == "left":
+        mask[1, :5] = 0
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert fa_transformers.register() == "fa_torch"
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2"])
+def test_logits_and_gradients_match(name, padding):
+    ids, mask = _batch(padding)
+    real = mask.bool()
+    results = {}
+    for implementation in ("fa_torch", _configs()[name][1]):
+        model = _model(name, implementation).train()  # (attention dropout is 0)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = (logits.float().log_softmax(-1)[real].square().mean())
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = (logits[real].detach(), grads)
+    (ours, our_grads), (theirs, their_grads) = results.values()
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    assert our_grads.keys() == their_grads.keys()
+    for n in our_grads:
+        torch.testing.assert_close(our_grads[n], their_grads[n], atol=2e-5, rtol=1e-3, msg=n)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_greedy_generation_matches(name):
+    ids, mask = _batch("left")
+    tokens = {}
+    for implementation in ("fa_torch", _configs()[name][1]):
+        model = _model(name, implementation).eval()
+        with torch.no_grad():
+            tokens[implementation] = model.generate(input_ids=ids, attention_mask=mask,
+                                                    max_new_tokens=8, do_sample=False,
+                                                    pad_token_id=0)
+    ours, theirs = tokens.values()
+    assert torch.equal(ours, theirs)
+
+
+def test_output_attentions_is_refused():
+    ids, mask = _batch("none")
+    model = _model("llama", "fa_torch")
+    with pytest.raises(ValueError, match=r"does not return attention weights"):
+        model(input_ids=ids, attention_mask=mask, output_attentions=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 at a real size: GPU only")
+@pytest.mark.gpu
+def test_bf16_llama_on_the_gpu():
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                                      num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, max_position_embeddings=2048)
+    ids = torch.randint(0, 1000, (4, 1024), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :300] = 0
+    logits = {}
+    for implementation in ("fa_torch", "sdpa"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=implementation, torch_dtype=torch.bfloat16).to(DEVICE)
+        logits[implementation] = model(input_ids=ids, attention_mask=mask).logits.float()
+    ours, theirs = logits.values()
+    real = mask.bool()
+    assert (ours[real] - theirs[real]).abs().max() < 0.1
