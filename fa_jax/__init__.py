@@ -6,9 +6,11 @@ interpreter on before triton is imported).
 """
 import fa_kernels  # noqa: F401  (decides interpreter vs compiled before triton loads)
 
+from .jax_nn import dot_product_attention
 from .ops import attention, attention_backward, attention_varlen, dropout_mask
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "dropout_mask", "ring"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "dot_product_attention",
+           "dropout_mask", "ring"]
 
 
 def __getattr__(name):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .jax_nn import no_visible_key, uniform_where_fully_masked, window_mask
 from .ops import attention
 
 
@@ -77,32 +78,13 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
                     **dropout, **options)
     out = out.reshape(*batch_dims, q_len, heads, out.shape[-1]) if batch_dims else out[0]
     if mask is not None:
-        out = _uniform_where_fully_masked(out, value, mask, causal, options)
+        visible = mask
+        window = tuple(options.get("window_size", (-1, -1)))
+        if causal or window != (-1, -1):  # (the kernels' diagonal: bottom-right)
+            visible = visible & window_mask(q_len, kv_len, window[0], 0 if causal else window[1],
+                                            kv_len - q_len)
+        out = uniform_where_fully_masked(out, value, no_visible_key(visible, heads))
     return out
-
-
-def _uniform_where_fully_masked(out, value, mask, causal, options):
-    """Flax's answer for rows whose every key is masked: all their logits equal the big
-    negative, so they attend uniformly to every key (the mean of the values), and, as
-    ``where`` passes no gradient to replaced logits, their queries get none."""
-    *batch_dims, q_len, heads, _ = out.shape
-    kv_len, heads_kv = value.shape[-3], value.shape[-2]
-    visible = jnp.broadcast_to(mask, (*batch_dims, heads, q_len, kv_len))
-    if causal or tuple(options.get("window_size", (-1, -1))) != (-1, -1):
-        left, right = options.get("window_size", (-1, -1))
-        right = 0 if causal else right
-        rows = jnp.arange(q_len)[:, None] + (kv_len - q_len)
-        cols = jnp.arange(kv_len)[None, :]
-        window = jnp.ones((q_len, kv_len), bool)
-        if right >= 0:
-            window &= cols <= rows + right
-        if left >= 0:
-            window &= cols >= rows - left
-        visible = visible & window
-    empty = ~jnp.any(visible, axis=-1)                      # (batch..., heads, q_len)
-    mean = jnp.mean(value.astype(jnp.float32), axis=-3)     # (batch..., heads_kv, depth)
-    mean = jnp.repeat(mean, heads // heads_kv, axis=-2).astype(out.dtype)
-    return jnp.where(jnp.swapaxes(empty, -1, -2)[..., None], mean[..., None, :, :], out)
 
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
