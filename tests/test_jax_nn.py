@@ -41,13 +41,17 @@ def _inputs(q_len, kv_len, heads, heads_kv, case, seed=0):
     return q, k, v, bias, options
 
 
-@pytest.mark.parametrize("shape", [(9, 9, 4, 2), (7, 9, 2, 2), (9, 7, 2, 1)],
-                         ids=["self gqa", "Sq<Sk", "Sq>Sk mqa"])
-@pytest.mark.parametrize("case", list(CASES))
+SHAPES = {"self gqa": (9, 9, 4, 2), "Sq<Sk": (7, 9, 2, 2), "Sq>Sk mqa": (9, 7, 2, 1)}
+# Every case on self-attention; where Sq != Sk the diagonals differ (jax.nn's top-left
+# against the kernels' bottom-right): the cases that exercise that mapping.
+GRID = ([(case, "self gqa") for case in CASES]
+        + [(case, shape) for shape in ("Sq<Sk", "Sq>Sk mqa")
+           for case in ("plain", "causal", "window", "causal window", "mask causal bias")])
+
+
+@pytest.mark.parametrize("case,shape", GRID, ids=[f"{c}-{s}" for c, s in GRID])
 def test_matches_jax_nn(case, shape):
-    q_len, kv_len, heads, heads_kv = shape
-    if "lengths" in case and q_len < 7:
-        pytest.skip("lengths up to 7")
+    q_len, kv_len, heads, heads_kv = SHAPES[shape]
     q, k, v, bias, options = _inputs(q_len, kv_len, heads, heads_kv, case)
 
     def loss(fn, q, k, v, bias):
