@@ -3,8 +3,8 @@
 For a query block, loop over key blocks keeping a running max ``m``, a running sum
 ``l`` and an unnormalised output ``acc`` (the online softmax), then write
 ``O = acc / l`` and ``LSE = (m + log2 l) * ln 2`` (natural log throughout with a bias,
-and the part of the LSE fp32 cannot hold in ``LSELo``: helpers.final_lse). Key blocks wholly visible to the
-block are visited without any mask work; only blocks that cross a window edge (the
+and the part of the LSE fp32 cannot hold in ``LSELo``: helpers.final_lse). Key blocks
+wholly visible to the block are visited without any mask work; only blocks that cross a window edge (the
 causal diagonal is one) or the end of the keys are masked, and blocks wholly outside
 the window are not visited at all.
 
@@ -243,19 +243,17 @@ def attention_forward_combine(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s in range(num_splits):
         lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
-        if HAS_BIAS:
+        if HAS_BIAS:  # (an empty split's lse_lo is 0: final_lse)
             lo_s = tl.load(lse_lo_base + s * stride_ls + rows, mask=in_range, other=0.0)
-            weight = tl.exp((lse_s - m_ref) + tl.where(lse_s == float("-inf"), 0.0, lo_s))
+            weight = tl.exp((lse_s - m_ref) + lo_s)
         else:
             weight = tl.exp(lse_s - m_ref)  # 0 for an empty split (LSE -inf)
         part = load_tile(o_base + tl.cast(s, tl.int64) * stride_os, offs_m, offs_d, stride_om,
                          seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
         total += weight
         acc += weight[:, None] * part
-    total_safe = tl.where(seen, total, 1.0)
-    acc = acc / total_safe[:, None]
-    log_total = tl.log(total_safe)
-    lse = tl.where(seen, m_ref + log_total, float("-inf"))
+    acc = acc / tl.where(seen, total, 1.0)[:, None]
+    lse, lse_lo = final_lse(m_ref, total, True)  # (the splits' LSEs are natural log)
 
     out_base = (Out + batch64 * stride_ob + head * stride_oh
                 + (q_start + tl.cast(start_m, tl.int64)) * stride_om)
@@ -263,4 +261,4 @@ def attention_forward_combine(
     lse_rows = batch64 * stride_lb + head * stride_lh + q_start + rows
     tl.store(LSE + lse_rows, lse, mask=in_range)
     if HAS_BIAS:
-        tl.store(LSELo + lse_rows, tl.where(seen, (m_ref - lse) + log_total, 0.0), mask=in_range)
+        tl.store(LSELo + lse_rows, lse_lo, mask=in_range)

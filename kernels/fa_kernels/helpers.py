@@ -378,9 +378,8 @@ def load_row_stats(lse_base, lse_lo_base, delta_base, offs_row, num_rows, NATURA
     """
     in_range = offs_row < num_rows
     lse = tl.load(lse_base + offs_row, mask=in_range, other=float("-inf"))
-    if NATURAL:
+    if NATURAL:  # (a row that saw no key has lse_lo 0: final_lse)
         lse_lo = tl.load(lse_lo_base + offs_row, mask=in_range, other=0.0)
-        lse_lo = tl.where(lse == float("-inf"), 0.0, lse_lo)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
     else:
         lse_lo = tl.zeros_like(lse)

@@ -617,10 +617,11 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
-    # With one key block there is nothing to stream: no descriptors unless a caller asks
-    # (ptxas 12.8 crashes on the D = 256 causal forward with seqlen_k = 1 through them).
-    use_tma = _use_tma(cfg, tma if tma is not None or key_blocks > 1 else False, capability,
-                       p.dtype, k_st, v_st)
+    if tma is None and key_blocks <= 1:
+        # One key block: nothing to stream, so no descriptors unless a caller asks
+        # (ptxas 12.8 crashes on the D = 256 causal forward with seqlen_k = 1 through them).
+        tma = False
+    use_tma = _use_tma(cfg, tma, capability, p.dtype, k_st, v_st)
     # Varlen: rows that device-side cu_seqlens leave uncovered (bad values, clamped in the
     # kernels) read as zeros, never as uninitialised memory.
     results = (Output("out", p.out_shape, p.dtype, zeroed=p.varlen),
