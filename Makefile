@@ -13,6 +13,7 @@ demo:
 
 test:
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n $(WORKERS) tests
+	./scripts/jax_only.sh
 
 bench:
 	$(PYTHON) benchmarks/bench.py

@@ -189,8 +189,8 @@ def profile(fwd_bwd, backward_impl, calls):
 
 
 def jax_rows(calls):
-    """Jitted fa_jax and jax's cuDNN attention: XLA dispatch plus, for fa_jax, the
-    custom call's handler (Python) that launches the kernel."""
+    """Jitted fa_jax and jax's cuDNN attention: XLA's dispatch of a compiled call (fa_jax's
+    kernels launch from jaxlib's Triton custom call, no Python per launch)."""
     import jax
     import jax.numpy as jnp
 

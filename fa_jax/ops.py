@@ -148,12 +148,12 @@ def _kernel_body(kind: str, options: Options):
         problem = problem_of(arrays, options)
         if kind == "forward":
             fwd = fa_plan.forward_plan(problem, capability=_launch.capability(),
-                                       num_sms=_launch.num_sms())
+                                       num_sms=_launch.num_sms(), **_launch.plan_options())
             for launch in fwd.launches:
                 _launch.run(launch, arrays)
             return tuple(arrays[name] for name in FORWARD_OUTPUTS)
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
-                                    bias_grad=options.has_bias)
+                                    bias_grad=options.has_bias, **_launch.plan_options())
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
         arrays["dlse"] = arrays["dlse"].astype(jnp.float32)
         for launch in bwd.launches:

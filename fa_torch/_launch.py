@@ -1,11 +1,5 @@
-"""Run a plan's launches on torch tensors (CUDA, or CPU through the interpreter).
-
-The JAX CPU path uses this too: it wraps its numpy buffers as torch tensors and
-launches here, so the two front ends run the same kernel the same way.
-"""
+"""Run a plan's launches on torch tensors (CUDA, or CPU through the interpreter)."""
 from __future__ import annotations
-
-import threading
 
 import torch
 
@@ -14,8 +8,6 @@ from fa_kernels import runtime
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "int8": torch.int8, "int32": torch.int32}
 
-# The interpreter patches triton.language globally while a kernel runs.
-_INTERPRETER_LOCK = threading.Lock()
 _PLACEHOLDERS: dict = {}
 
 
@@ -70,9 +62,8 @@ def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> No
     results = [outputs[o.name] for o in launch.outputs]
     from fa_kernels import launcher
 
-    if runtime.interpreting():  # (the interpreter's kernels are never cached)
-        with _INTERPRETER_LOCK:
-            launcher.launch(launch, inputs, results, None)
+    if runtime.interpreting():
+        launcher.launch(launch, inputs, results, None)
         return
     current = torch.cuda.current_device()
     if device.index is None or device.index == current:  # the usual case: no device switch
@@ -84,6 +75,5 @@ def launch_into(launch, arrays: dict, outputs: dict, device: torch.device) -> No
 
 def scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Device scratch for kernels that build tensor descriptors (128 bytes each a program),
-    from torch's caching allocator on the current device and stream (fa_jax keeps one
-    buffer for each XLA stream instead: fa_jax/_launch.py)."""
+    from torch's caching allocator on the current device and stream."""
     return torch.empty(size, dtype=torch.int8, device="cuda")

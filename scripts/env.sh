@@ -45,7 +45,8 @@ else
     base="$(command -v python3.11 || command -v python3)"
     [ -x "$py" ] || "$base" -m venv "$root/.venv" >&2
     "$py" -m pip install -q -c constraints-cpu.txt setuptools wheel \
-      torch triton jax jaxlib numpy pytest pytest-xdist hypothesis flax optax transformers \
+      torch triton jax jaxlib jax-triton flatbuffers numpy pytest pytest-xdist hypothesis flax optax \
+      transformers \
       matplotlib tqdm 2>&1 | grep -v "^WARNING: Location" >&2 || true
     satisfied "$py" || { echo "env.sh: the install did not give the required packages" >&2; exit 1; }
   fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (carry .whl when it holds wheels the image lacks):
-#   bash scripts/gpu_session.sh STEP...      STEP: test | memcheck | bench | compare | tune |
+#   bash scripts/gpu_session.sh STEP...      STEP: test | memcheck | bench | ptx | tune |
 #                                                  profile | examples | "any python args"
 # Logs go to $OUT when it is set. Each step prints a short summary; tables print last.
 set -uo pipefail
@@ -28,9 +28,11 @@ for step in "$@"; do
     bench)
       timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$out" \
         2> "$out/bench.err" ; tail -5 "$out/bench.err"; cat "$out/RESULTS.md" 2>/dev/null ;;
-    compare)
-      timeout "${COMPARE_TIMEOUT:-240}" "$py" benchmarks/launch_compare.py ${COMPARE_ARGS:-} 2>&1 \
-        | tee "$out/compare.log" | grep -v "^\s*$" | tail -25 ;;
+    ptx)  # Triton JIT's PTX against jax_triton's, plain and causal, with the outputs compared
+      for causal in "" --causal; do
+        timeout "${PTX_TIMEOUT:-240}" "$py" benchmarks/ptx_compare.py ${PTX_ARGS:-} $causal 2>&1 \
+          | tee -a "$out/ptx.log" | grep -v "^\s*$" | tail -8
+      done ;;
     tune)
       timeout "${TUNE_TIMEOUT:-360}" "$py" benchmarks/tune.py ${TUNE_ARGS:-} --out "$out" \
         2> "$out/tune.err" | tee "$out/tune.log" | tail -30 ;;

@@ -2,8 +2,6 @@
 
 On the GPU every test launches through it; here a stand-in JIT kernel checks the
 bookkeeping: what is cached, what makes a new specialisation, the argument order."""
-import pytest
-
 from fa_kernels import launcher, plan, registry
 
 
@@ -20,8 +18,8 @@ class Compiled:
         self.calls = calls
 
     def __getitem__(self, grid):
-        def run(*args, stream=None):
-            self.calls.append(("compiled", grid, args) + ((stream,) if stream is not None else ()))
+        def run(*args):
+            self.calls.append(("compiled", grid, args))
         return run
 
 
@@ -38,14 +36,9 @@ class Jit:
             return self.compiled
         return run
 
-    def warmup(self, *args, grid, **kwargs):
-        self.calls.append(("warmup", grid, args, kwargs))
-        return self.compiled
-
 
 def stand_in(monkeypatch, calls):
     monkeypatch.setitem(registry.KERNELS, "stand_in", Jit(calls))
-    monkeypatch.setattr(launcher, "_COMPILED_TYPE", Compiled)
     monkeypatch.setattr(launcher, "_COMPILED", {})
     return plan.Launch(kernel="stand_in", grid=(3, 2, 1), inputs=("a", "b"), scalars=(0.5, 7),
                        outputs=(plan.Output("out", (4,), "bfloat16"),),
@@ -71,24 +64,16 @@ def test_compiled_kernel_reused_per_specialisation(monkeypatch):
     assert calls[-1][0] == "compiled"
 
 
-def test_given_stream_compiles_without_launching_then_launches_on_it(monkeypatch):
-    # fa_jax launches on XLA's stream, which is not the current one: the JIT (which
-    # launches on the current stream) may only compile, every launch goes to that stream.
+def test_interpreter_launches_every_call_one_at_a_time(monkeypatch):
+    # device None is Triton's interpreter: nothing is cached (each call runs the kernel),
+    # and the launch holds the lock that keeps two interpreted kernels apart.
     calls = []
     launch = stand_in(monkeypatch, calls)
+    held = []
+    monkeypatch.setattr(Jit, "__getitem__", lambda self, grid: lambda *args, **kwargs: (
+        held.append(launcher._INTERPRETER_LOCK.locked()), calls.append(("jit", grid, args))))
     a, b, out = Array(256), Array(512), Array(1024)
-    launcher.launch(launch, [a, b], [out], 0, stream=0xABC)
-    assert [c[0] for c in calls] == ["warmup", "compiled"]
-    assert calls[0] == ("warmup", (3, 2, 1), (a, b, 0.5, 7, out),
-                        dict(num_warps=4, num_stages=2, FLAG=True, BLOCK=64))
-    assert calls[1] == ("compiled", (3, 2, 1), (a, b, 0.5, 7, out, 64, True), 0xABC)
-    launcher.launch(launch, [a, b], [out], 0, stream=0xDEF)
-    assert calls[2:] == [("compiled", (3, 2, 1), (a, b, 0.5, 7, out, 64, True), 0xDEF)]
-
-
-def test_given_stream_refuses_the_interpreter(monkeypatch):
-    calls = []
-    launch = stand_in(monkeypatch, calls)
-    monkeypatch.setattr(Jit, "warmup", lambda self, *args, grid, **kwargs: None)
-    with pytest.raises(RuntimeError, match="interpreter"):
-        launcher.launch(launch, [Array(256), Array(512)], [Array(1024)], 0, stream=0xABC)
+    launcher.launch(launch, [a, b], [out], None)
+    launcher.launch(launch, [a, b], [out], None)
+    assert calls == [("jit", (3, 2, 1), (a, b, 0.5, 7, out))] * 2
+    assert held == [True, True] and launcher._COMPILED == {}

@@ -94,7 +94,8 @@ def test_descriptor_varlen_with_an_empty_sequence(descriptor_table, front, causa
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     # The same values reach the same arithmetic: the outputs are bit for bit those of
-    # pointer loads, and jax's launch of the descriptor kernel gives them too.
+    # pointer loads, and fa_jax's launch gives them too (of the descriptor kernel in the
+    # interpreter; on the GPU, where jax-triton 0.3.1 gives no scratch, of pointer loads).
     seqlen_k = 1500 if ON_GPU else 140
     q, k, v = random_qkv(2, 50, seqlen_k, 4, 2, 64, "bfloat16", seed=11)
     problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
@@ -105,7 +106,7 @@ def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     out, lse = forward_plan_torch(tma, launch_arrays(q, k, v))
     p_out, p_lse = forward_plan_torch(plain, launch_arrays(q, k, v))
     assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
-    j_out, j_lse = forward_plan_jax(tma, launch_arrays(q, k, v))
+    j_out, j_lse = forward_plan_jax(plain if ON_GPU else tma, launch_arrays(q, k, v))
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
 
 

@@ -21,12 +21,12 @@ The outflow rule: scores are scaled once in fp32, and the remaining factors
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, block_source, dropout_keep, key_blocks, load_block, load_row_stats,
-                      load_seed, load_tile, probabilities, query_blocks, scores, sequence_bounds,
+from .helpers import (aligned, block_source, dropout_keep, kernel, key_blocks, load_block,
+                      load_row_stats, load_seed, load_tile, probabilities, query_blocks, scores, sequence_bounds,
                       softcap_slope, store_tile, visible)
 
 
-@triton.jit
+@kernel
 def attention_backward_preprocess(
     Out, dOut, dLSE,
     seqlen_q,
@@ -110,7 +110,7 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_b
     return dk, dv
 
 
-@triton.jit
+@kernel
 def attention_backward_dkdv(
     Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
     softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
@@ -313,7 +313,7 @@ def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
-@triton.jit
+@kernel
 def attention_backward_dq(
     Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
     softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,

@@ -3,10 +3,10 @@
 import triton
 import triton.language as tl
 
-from .helpers import dropout_keep, load_seed
+from .helpers import dropout_keep, kernel, load_seed
 
 
-@triton.jit
+@kernel
 def dropout_mask(
     Seed,
     dropout_p, seqlen_q, seqlen_k,

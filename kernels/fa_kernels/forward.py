@@ -14,8 +14,8 @@ path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, block_source, dropout_keep, final_lse, key_blocks, load_block,
-                      load_rows, load_seed, load_tile, scores, sequence_bounds, softmax_step,
+from .helpers import (aligned, block_source, dropout_keep, final_lse, kernel, key_blocks,
+                      load_block, load_rows, load_seed, load_tile, scores, sequence_bounds, softmax_step,
                       split_blocks, store_rows, store_tile, visible)
 
 
@@ -52,7 +52,7 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
     return acc, m_i, l_i
 
 
-@triton.jit
+@kernel
 def attention_forward(
     Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
     qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale, window_left, window_right,
@@ -201,7 +201,7 @@ def attention_forward(
         tl.store(LSELo + lse_rows, lse_lo, mask=rows < seqlen_q)
 
 
-@triton.jit
+@kernel
 def attention_forward_combine(
     OutPartial, LSEPartial, LSELoPartial, CuSeqlensQ, CuSeqlensK,
     seqlen_q, total_q, num_splits,

@@ -13,6 +13,8 @@ Conventions shared by every kernel:
 * Causal attention is bottom-right aligned: query row ``i`` sees key ``j`` when
   ``j <= i + seqlen_k - seqlen_q`` (flash-attn >= 2.1).
 """
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -21,16 +23,33 @@ LN2 = tl.constexpr(0.6931471805599453)
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
+# Integer arguments Triton's JIT must not specialise on their value (divisible by 16,
+# equal to 1): jax_triton marks no scalar, so a kernel specialised on them would differ
+# between the front ends. The strides' divisibility comes from ``aligned`` instead.
+UNSPECIALISED = ("seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
+                 "stride_lb", "stride_lh")
+
+
+def kernel(fn):
+    """``triton.jit`` for a kernel the front ends launch: one compiled code for Triton's JIT
+    (fa_torch) and jax_triton (fa_jax), so the same PTX and the same bits."""
+    names = inspect.signature(fn).parameters
+    return triton.jit(fn, do_not_specialize=[n for n in UNSPECIALISED if n in names])
+
+
 @triton.jit
 def aligned(stride, STRIDES_ALIGNED: tl.constexpr):
     """Tell the compiler a stride is a multiple of 16 elements when the plan knows it.
 
-    torch's launcher infers that from the values; jax_triton does not for scalar
-    arguments, and without it tile loads are not vectorised (3-4x slower). The plan
-    sets the flag for both front ends alike, so both compile the same kernel.
+    Triton's JIT (fa_torch) marks every integer argument divisible by 16 so; jax_triton
+    (fa_jax) marks only the arrays, and without the strides' divisibility tile loads are
+    neither asynchronous nor vectorised (10x slower on the H200). ``tl.multiple_of`` did
+    not reach the compiler's analysis the way the argument attribute does; rounding down
+    to a multiple of 16 (a no-op here: the plan sets the flag only when every stride is
+    one) does, so both front ends compile the same code (benchmarks/NOTES.md).
     """
     if STRIDES_ALIGNED:
-        stride = tl.multiple_of(stride, 16)
+        stride = (stride // 16) * 16
     return stride
 
 

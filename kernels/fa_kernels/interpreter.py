@@ -98,3 +98,51 @@ def apply() -> None:
     builder_cls.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     builder_cls.create_fp_to_fp = create_fp_to_fp
     _applied = True
+
+
+class HostArray:
+    """Host memory at an address, as Triton's interpreter takes a launch argument.
+
+    The interpreter reads an argument's address (``data_ptr``) and dtype, and first
+    copies it to the host through the few ``torch.Tensor`` methods below, then copies
+    it back. The memory here is on the host already, so both copies are the identity:
+    the kernel reads and writes it in place, and no framework is needed (fa_jax's CPU
+    path runs without torch). ``dtype`` is the plan's name ("bfloat16", "int32", ...).
+    """
+    __slots__ = ("address", "shape", "dtype")
+
+    def __init__(self, address: int, shape, dtype: str):
+        self.address, self.shape, self.dtype = int(address or 0), tuple(shape), dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def untyped_storage(self) -> "HostArray":
+        return self
+
+    def cpu(self) -> "HostArray":
+        return self
+
+    def new_empty(self, *_, **__) -> "HostArray":
+        return HostArray(self.address, self.shape, self.dtype)
+
+    def set_(self, *_) -> "HostArray":
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple:
+        return self.shape
+
+    def stride(self) -> tuple:
+        strides, step = [], 1
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= n
+        return tuple(reversed(strides))
+
+    def copy_(self, other) -> "HostArray":
+        if other.data_ptr() != self.address:
+            raise RuntimeError("HostArray is written in place only")
+        return self

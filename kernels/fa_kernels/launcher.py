@@ -1,4 +1,6 @@
-"""One launch of a plan step on the GPU, through Triton's compiled kernel.
+"""One launch of a plan step through Triton's own launch path: fa_torch's on the GPU,
+and both front ends' in Triton's interpreter (fa_jax launches on the GPU through
+jax_triton instead, the same kernel compiled to the same PTX: fa_kernels.helpers.kernel).
 
 ``kernel[grid](...)`` (Triton's JIT entry) binds and specialises every argument on each
 call: ~30 us of host time per launch on the H200's host, where the compiled kernel's
@@ -6,27 +8,26 @@ own launcher takes ~10 (benchmarks/NOTES.md). A plan's launch fixes every scalar
 constexpr, so the only things that can change the specialisation between two calls of
 the same launch are the arrays' dtypes and their 16-byte alignment: with those in the
 key, the first call goes through the JIT (compiling if needed) and later calls go
-straight to the kernel it returned. A caller that names the stream (fa_jax: XLA's) has
-the JIT only compile, and every launch goes to that stream, with no switch of torch's
-current stream. Both front ends launch through here, so they keep running the same
-binary.
+straight to the kernel it returned.
 
-Arrays are anything with ``data_ptr()`` and ``dtype`` (torch tensors, fa_jax's device
-pointers). Triton imports here; torch and jax do not: a kernel that builds tensor
-descriptors on the device needs scratch memory, which the caller's ``allocate`` gives.
+Arrays are anything with ``data_ptr()`` and ``dtype`` (torch tensors; in the
+interpreter, ``interpreter.HostArray``). Triton imports here; torch and jax do not: a
+kernel that builds tensor descriptors on the device needs scratch memory, which the
+caller's ``allocate`` gives.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
-import triton
 from triton.runtime import _allocation
 
 from . import registry
 
 _COMPILED: dict = {}
-_COMPILED_TYPE = triton.compiler.CompiledKernel  # what the JIT returns on the GPU
+# Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
+_INTERPRETER_LOCK = threading.Lock()
 _MAX_ENTRIES = 8192  # plans are cached up to 4096 each way; past this, start over
 
 
@@ -65,47 +66,44 @@ def fit_to_arrays(launch, inputs: list):
     return launch
 
 
-def launch(launch, inputs: list, outputs: list, device: int, allocate=None,
-           stream=None) -> None:
-    """Launch ``launch`` on ``device`` (already the current device): ``inputs`` in
-    ``launch.inputs`` order, ``outputs`` in ``launch.outputs``. ``allocate(size,
-    alignment, stream)`` returns device scratch memory (anything with ``data_ptr()``) for
-    kernels that build tensor descriptors. ``stream``: the CUDA stream (its handle) to
-    launch on; None, the device's current stream."""
+def launch(launch, inputs: list, outputs: list, device: int | None, allocate=None) -> None:
+    """Launch ``launch`` on ``device`` (the current CUDA device, on its current stream; None:
+    Triton's interpreter, on host memory): ``inputs`` in ``launch.inputs`` order,
+    ``outputs`` in ``launch.outputs``. ``allocate(size, alignment, stream)`` returns
+    device scratch memory (anything with ``data_ptr()``) for kernels that build tensor
+    descriptors."""
     launch = fit_to_arrays(launch, inputs)
+    if device is None:  # Triton's interpreter (its kernels are never cached)
+        with _INTERPRETER_LOCK:
+            registry.KERNELS[launch.kernel][launch.grid](
+                *inputs, *launch.scalars, *outputs, num_warps=launch.num_warps,
+                num_stages=launch.num_stages, **launch.constexprs)
+        return
     if not (launch.constexprs.get("USE_TMA") and allocate is not None):
-        return _launch(launch, inputs, outputs, device, stream)
+        return _launch(launch, inputs, outputs, device)
     # Triton asks its (context-local) allocator for the scratch: set it for this launch only.
     token = _allocation._allocator.set(allocate)
     try:
-        _launch(launch, inputs, outputs, device, stream)
+        _launch(launch, inputs, outputs, device)
     finally:
         _allocation._allocator.reset(token)
 
 
-def _launch(launch, inputs: list, outputs: list, device: int, stream) -> None:
+def _launch(launch, inputs: list, outputs: list, device: int) -> None:
     kernel = registry.KERNELS[launch.kernel]
     key = _key(launch, (*inputs, *outputs), device)
     entry = _COMPILED.get(key)
     if entry is None:
-        # The JIT launches on the current stream; given another, only compile here.
-        start = kernel[launch.grid] if stream is None else functools.partial(
-            kernel.warmup, grid=launch.grid)
-        compiled = start(*inputs, *launch.scalars, *outputs, num_warps=launch.num_warps,
-                         num_stages=launch.num_stages, **launch.constexprs)
-        if not isinstance(compiled, _COMPILED_TYPE):  # the interpreter (it has launched)
-            if stream is not None:
-                raise RuntimeError("a launch on a given stream needs a compiled kernel, "
-                                   "not Triton's interpreter")
-            return
+        compiled = kernel[launch.grid](*inputs, *launch.scalars, *outputs,
+                                       num_warps=launch.num_warps,
+                                       num_stages=launch.num_stages, **launch.constexprs)
         # The launch is kept in the entry: its id() stays its own while cached.
         tail = [launch.constexprs[name]
                 for name in kernel.arg_names[len(inputs) + len(launch.scalars) + len(outputs):]]
         if len(_COMPILED) >= _MAX_ENTRIES:
             _COMPILED.clear()
-        entry = _COMPILED[key] = (launch, compiled, tail)
-        if stream is None:
-            return
+        _COMPILED[key] = (launch, compiled, tail)
+        return
     _, compiled, tail = entry
     # The compiled kernel's launcher calls Triton's launch hooks (its profiler) as the JIT does.
-    compiled[launch.grid](*inputs, *launch.scalars, *outputs, *tail, stream=stream)
+    compiled[launch.grid](*inputs, *launch.scalars, *outputs, *tail)

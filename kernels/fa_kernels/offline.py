@@ -10,6 +10,13 @@ memory against the limit, its registers a thread and its stack frame (bytes a th
 local memory: spilled registers), as ``cuobjdump`` reads them from the cubin.
 
     TRITON_INTERPRET=0 python -m fa_kernels.offline [--capability 9.0] [--quick]
+    TRITON_INTERPRET=0 python -m fa_kernels.offline --compare-launchers [--quick]
+
+``--compare-launchers`` compiles the launches fa_jax makes on the GPU (no tensor
+descriptors) twice, with the argument attributes of Triton's JIT (fa_torch) and of
+jax_triton (fa_jax), and compares the PTX: the same code gives the same bits. With a
+bias the code may differ (Triton's JIT also knows the bias strides' divisibility); the
+instruction counts still match.
 
 TRITON_INTERPRET=0 keeps the kernels compilable (the interpreter replaces them).
 """
@@ -44,8 +51,10 @@ def input_dtypes(problem: fa_plan.AttentionProblem, plans) -> dict:
     return dtypes
 
 
-def specialise(launch, dtypes: dict):
-    """(signature, constexprs, attrs) of ``launch`` as Triton's JIT makes them."""
+def specialise(launch, dtypes: dict, launcher: str = "jit"):
+    """(signature, constexprs, attrs) of ``launch`` as ``launcher`` makes them: "jit",
+    Triton's JIT (fa_torch: every integer divisible by 16 marked so), or "jax_triton"
+    (fa_jax: only the arrays marked; any scalar equal to 1, a float too, folded in)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
@@ -64,8 +73,17 @@ def specialise(launch, dtypes: dict):
         kind, value = values[index]
         if kind == "array":
             signature[name], spec = POINTER_TYPES[value], "D"
+        elif launcher == "jax_triton":
+            if value == 1:
+                constexprs[name] = 1
+                continue
+            signature[name] = "fp32" if isinstance(value, float) else native_specialize_impl(
+                BaseBackend, value, False, True, True)[0]
+            spec = ""
         else:
-            signature[name], spec = native_specialize_impl(BaseBackend, value, False, True, True)
+            specialised = not kernel.params[index].do_not_specialize
+            signature[name], spec = native_specialize_impl(BaseBackend, value, False, specialised,
+                                                           True)
             if signature[name] == "constexpr":  # Triton folds an integer 1 into the kernel
                 constexprs[name] = spec
                 continue
@@ -74,13 +92,15 @@ def specialise(launch, dtypes: dict):
     return kernel, signature, constexprs, attrs
 
 
-def compile_launch(launch, dtypes: dict, capability: tuple[int, int] = (9, 0)):
-    """Triton's CompiledKernel of ``launch`` for ``capability`` (no GPU needed)."""
+def compile_launch(launch, dtypes: dict, capability: tuple[int, int] = (9, 0),
+                   launcher: str = "jit"):
+    """Triton's CompiledKernel of ``launch`` for ``capability`` (no GPU needed), with the
+    argument attributes ``launcher`` gives (``specialise``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel, signature, constexprs, attrs = specialise(launch, dtypes)
+    kernel, signature, constexprs, attrs = specialise(launch, dtypes, launcher)
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     return triton.compile(source, target=target,
@@ -109,6 +129,8 @@ def resources(compiled) -> tuple[int, int] | None:
 def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
     """(name, problem, forward plan options) over head dims, dtypes and features."""
     head_dims = (64, 128) if quick else (32, 64, 96, 128, 256)
+    if quick and capability < (9, 0):  # no descriptors below sm_90: the D = 128 kinds say it
+        head_dims = (128,)
     dtypes = ("bfloat16",) if quick else ("bfloat16", "float16", "float32")
     for dtype in dtypes:
         for head_dim in head_dims:
@@ -188,14 +210,68 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     return failures
 
 
+def ptx_counts(ptx: str) -> dict:
+    """The instructions that tell how a kernel moves its tiles and multiplies them."""
+    return {"cp.async.cg": len(re.findall(r"cp\.async\.cg", ptx)),
+            "ld.global": len(re.findall(r"ld\.global", ptx)),
+            "ld.global.v4": len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
+
+
+def ptx_body(ptx: str) -> str:
+    """The kernel's code, its parameters by position (the names carry the kernel's name)."""
+    return re.sub(r"\w+_param_(\d+)", r"param_\1", ptx[ptx.index(".entry"):])
+
+
+def launcher_variants(capability: tuple[int, int]):
+    """(name, problem) of the main shapes at D = 128: plain, causal with GQA, every option."""
+    shape, gqa_kv = (2, 4096, 4, 128), (2, 4096, 2, 128)
+    dtype = "bfloat16"
+    yield "D=128", fa_plan.check_problem(shape, shape, shape, dtype, dtype, dtype)
+    yield "D=128 causal gqa", fa_plan.check_problem(shape, gqa_kv, gqa_kv, dtype, dtype, dtype,
+                                                    causal=True)
+    yield "D=128 every option", fa_plan.check_problem(
+        shape, gqa_kv, gqa_kv, dtype, dtype, dtype, causal=True, window_size=(256, -1),
+        softcap=30.0, dropout_p=0.1, bias_shape=(2, 4, 4096, 4096), bias_dtype=dtype,
+        alibi_shape=(4,), alibi_dtype="float32")
+
+
+def compare_launchers(capability: tuple[int, int], quick: bool = False, out=sys.stdout) -> int:
+    """Compile each launch with the JIT's and jax_triton's attributes; print the PTX
+    counts of each and whether the code is the same; return how many differ (every
+    option: the bias strides, which only Triton's JIT marks, are allowed to)."""
+    differ = 0
+    for name, problem in list(launcher_variants(capability))[:2 if quick else None]:
+        fwd = fa_plan.forward_plan(problem, capability=capability, tma=False)
+        bwd = fa_plan.backward_plan(problem, capability=capability, tma=False,
+                                    bias_grad=problem.bias_shape is not None)
+        dtypes = input_dtypes(problem, (fwd, bwd))
+        for launch in (*fwd.launches, *bwd.launches):
+            ptx = {launcher: compile_launch(launch, dtypes, capability, launcher).asm["ptx"]
+                   for launcher in ("jit", "jax_triton")}
+            same = ptx_body(ptx["jit"]) == ptx_body(ptx["jax_triton"])
+            differ += not same and problem.bias_shape is None
+            counts = {launcher: " ".join(f"{v}" for v in ptx_counts(text).values())
+                      for launcher, text in ptx.items()}
+            print(f"{name:20s} {launch.kernel:32s} JIT {counts['jit']:16s} "
+                  f"jax_triton {counts['jax_triton']:16s} {'same PTX' if same else 'PTX DIFFERS'}",
+                  file=out, flush=True)
+    print(f"counts: {' / '.join(ptx_counts(''))}; {differ} differ", file=out)
+    return differ
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--capability", default="9.0", help="major.minor, e.g. 8.0 or 9.0")
     parser.add_argument("--quick", action="store_true", help="fewer head dims and dtypes")
+    parser.add_argument("--compare-launchers", action="store_true",
+                        help="the JIT's PTX against jax_triton's, launch by launch")
     args = parser.parse_args(argv)
     if runtime.interpreting():
         raise SystemExit("run with TRITON_INTERPRET=0: the interpreter replaces the kernels")
     major, minor = (int(x) for x in args.capability.split("."))
+    if args.compare_launchers:
+        return 1 if compare_launchers((major, minor), args.quick) else 0
     return 1 if check((major, minor), args.quick) else 0
 
 

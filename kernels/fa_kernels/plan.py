@@ -515,8 +515,11 @@ def score_unit(p: AttentionProblem) -> float:
 
 
 def _feature_scalars(p: AttentionProblem) -> tuple:
+    """The options' scalars, 0 for an option that is off (jax_triton would fold a 1 into
+    the kernel as a constant, where Triton's JIT keeps a float: two codes for one kernel)."""
     softcap_scale = p.softmax_scale / p.softcap if p.softcap else 0.0
-    return (softcap_scale, p.softcap * score_unit(p), p.dropout_p, 1.0 / (1.0 - p.dropout_p),
+    dropout_scale = 1.0 / (1.0 - p.dropout_p) if p.dropout_p > 0 else 0.0
+    return (softcap_scale, p.softcap * score_unit(p), p.dropout_p, dropout_scale,
             p.window_left, p.window_right)
 
 

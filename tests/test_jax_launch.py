@@ -1,0 +1,165 @@
+"""fa_jax's launch path: errors reach the caller, no torch is needed, and a jitted call
+survives jax.export and jax's persistent compilation cache across processes."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa_jax
+from fa_jax import _launch
+from fa_kernels import registry
+
+from .common import ON_GPU
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def inputs(seed=0, shape=(2, 40, 2, 32), dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return [jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys]
+
+
+def run_python(code: str, env=None, timeout=600) -> str:
+    """Run ``code`` in a fresh interpreter from the repo root; its stdout, or the failure."""
+    env = dict(os.environ, **(env or {}))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+class Broken:
+    """A kernel whose launch fails, as an interpreter error inside a kernel would."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("forced failure inside the launch")
+        return launch
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU path: on the GPU jaxlib launches (jax_triton)")
+@pytest.mark.parametrize("kernel", ["attention_forward", "attention_backward_dq"])
+def test_failed_launch_raises_and_returns_nothing(monkeypatch, kernel):
+    q, k, v = inputs()
+    loss = lambda q, k, v: fa_jax.attention(q, k, v, causal=True).astype(jnp.float32).sum()  # noqa: E731
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    good = jax.block_until_ready(step(q, k, v))
+    monkeypatch.setitem(registry.KERNELS, kernel, Broken())
+    for call in (step, jax.value_and_grad(loss, argnums=(0, 1, 2))):
+        with pytest.raises(Exception, match="forced failure inside the launch") as failure:
+            jax.block_until_ready(call(q, k, v))
+        assert "attention" in str(failure.value) or "fa_jax" in str(failure.value)
+    monkeypatch.undo()
+    again = step(q, k, v)  # nothing stale: the next call computes as before
+    for a, b in zip(jax.tree.leaves(good), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_no_torch_in_a_jax_process():
+    # A JAX user installs jax, jax-triton and triton: with every import of torch refused,
+    # fa_jax imports, computes and differentiates (GPU: jax_triton; CPU: the interpreter).
+    out = run_python("""
+        import sys
+
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+
+        sys.meta_path.insert(0, NoTorch())
+        import jax, jax.numpy as jnp, numpy as np
+        import fa_jax
+
+        q, k, v = (jax.random.normal(jax.random.key(i), (1, 37, 2, 32)) for i in range(3))
+        loss = lambda f: lambda q: f(q, k, v).sum()
+        ours = fa_jax.attention(q, k, v, causal=True)
+        theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        grad = jax.grad(loss(lambda *a: fa_jax.attention(*a, causal=True)))(q)
+        grad_ref = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True)))(q)
+        np.testing.assert_allclose(ours, theirs, atol=2e-5)
+        np.testing.assert_allclose(grad, grad_ref, atol=2e-5)
+        print("torch" in sys.modules)
+    """)
+    assert out.split()[-1] == "False"
+
+
+def test_export_round_trip():
+    q, k, v = inputs(1)
+    step = jax.jit(lambda q, k, v: fa_jax.attention(q, k, v, causal=True, return_lse=True))
+    exported = jax.export.export(step, disabled_checks=fa_jax.export_checks())(q, k, v)
+    restored = jax.export.deserialize(exported.serialize())
+    for a, b in zip(step(q, k, v), restored.call(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="custom call"):  # jax's check, without ours lifted
+        jax.export.export(step)(q, k, v)
+
+
+def test_export_and_compilation_cache_across_processes(tmp_path):
+    # Process one exports a jitted forward+backward and fills jax's persistent cache;
+    # process two (a fresh interpreter that imports fa_jax) runs the deserialised export
+    # and the same jitted function, which compiles nothing new: the same bits each way.
+    script = f"""
+        import os, sys
+        import jax, jax.numpy as jnp, numpy as np
+        jax.config.update("jax_compilation_cache_dir", {str(tmp_path / "cache")!r})
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        import fa_jax
+
+        keys = jax.random.split(jax.random.key(3), 3)
+        q, k, v = (jax.random.normal(key, (2, 40, 2, 32)).astype(jnp.bfloat16) for key in keys)
+
+        def loss(q, k, v):
+            return (fa_jax.attention(q, k, v, causal=True).astype(jnp.float32) ** 2).sum()
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float32))
+                                            for x in jax.tree.leaves(tree)])
+        blob = {str(tmp_path / "step.bin")!r}
+        if sys.argv[-1] == "first":
+            exported = jax.export.export(step, disabled_checks=fa_jax.export_checks())
+            open(blob, "wb").write(exported(q, k, v).serialize())
+            np.save({str(tmp_path / "first.npy")!r}, flat(step(q, k, v)))
+        else:
+            # The export runs first: nothing but the import has registered fa_jax's target.
+            restored = jax.export.deserialize(bytearray(open(blob, "rb").read()))
+            again = flat(restored.call(q, k, v))
+            first = np.load({str(tmp_path / "first.npy")!r})
+            np.testing.assert_array_equal(again, first)
+            np.testing.assert_array_equal(flat(step(q, k, v)), first)
+        print(sorted(f for f in os.listdir({str(tmp_path / "cache")!r}) if f.startswith("jit_loss")))
+    """
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    listings = []
+    for which in ("first", "second"):
+        result = subprocess.run([sys.executable, str(path), which], cwd=ROOT,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        listings.append(result.stdout.strip().splitlines()[-1])
+    assert listings[0] != "[]"  # the jitted step's entry
+    assert listings[1] == listings[0], "the second process compiled the step again (no cache hit)"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU path")
+def test_gpu_launch_has_no_descriptors():
+    # jax-triton 0.3.1 gives no global scratch: the plan reads the same tiles through
+    # pointers, and a launch that would build descriptors is refused before lowering.
+    from fa_kernels import plan as fa_plan
+
+    problem = fa_plan.check_problem((1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 2, 128),
+                                    "bfloat16", "bfloat16", "bfloat16")
+    fwd = fa_plan.forward_plan(problem, capability=_launch.capability(),
+                               **_launch.plan_options())
+    assert not fwd.launch.constexprs["USE_TMA"]
+    if _launch.capability() >= (9, 0):
+        tma = fa_plan.forward_plan(problem, capability=_launch.capability(), tma=True)
+        q, k, v = inputs(shape=(1, 256, 2, 128))
+        with pytest.raises(ValueError, match="scratch"):
+            _launch.run(tma.launch, {"q": q, "k": k, "v": v, **{
+                n: _launch.placeholder() for n in tma.launch.inputs if n not in "qkv"}})
