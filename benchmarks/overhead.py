@@ -23,6 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fa_torch  # noqa: E402
 from fa_kernels import plan as fa_plan  # noqa: E402
+from fa_kernels import registry  # noqa: E402
 from fa_torch import _launch, ops  # noqa: E402
 
 
@@ -60,11 +61,13 @@ def main():
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride())
     arrays = {"q": q, "k": k, "v": v}
     outputs = {"out": torch.empty_like(q),
-               "lse": torch.empty(problem.lse_shape, device=device, dtype=torch.float32)}
+               "lse": torch.empty(problem.lse_shape, device=device, dtype=torch.float32),
+               "lse_lo": torch.empty(problem.lse_shape, device=device, dtype=torch.float32)}
     launch = fwd.launch
     kernel = fa_kernels.kernel(launch.kernel)
     triton_args = ([arrays.get(n, _launch.placeholder(q.device)) for n in launch.inputs]
-                   + list(launch.scalars) + [outputs[o.name] for o in launch.outputs])
+                   + list(registry.scalar_arguments(launch))
+                   + [outputs[o.name] for o in launch.outputs])
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs)
     if device == "cuda":  # the raw-kernel rows launch descriptor kernels outside the launcher
         import triton

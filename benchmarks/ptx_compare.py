@@ -88,7 +88,7 @@ def main():
                for name, j, t in zip(("out", "dq", "dk", "dv"), jax_results, torch_results)}
 
     jit_ptx = {launch.kernel: compiled.asm["ptx"]
-               for launch, compiled, _ in launcher._COMPILED.values()}
+               for launch, compiled, *_ in launcher._COMPILED.values()}
     jax_ptx = {}
     for path in glob.glob(os.path.join(DUMP, "*", "*.ptx")):
         jax_ptx[os.path.basename(path)[:-4]] = open(path).read()

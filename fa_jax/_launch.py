@@ -48,7 +48,13 @@ def capability():
     """What the plan keys its configs on: the GPU's (major, minor), or None on the CPU."""
     if not on_gpu():
         return None
-    device = jax.devices("gpu")[0]
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError as error:  # a GPU host running jax on its CPU (JAX_PLATFORMS=cpu)
+        raise RuntimeError(
+            "fa_kernels found a CUDA GPU and compiles the kernels for it, but jax has no GPU "
+            "backend here; to run fa_jax on CPU devices, set TRITON_INTERPRET=1 before "
+            "anything imports triton (the kernels then run in Triton's interpreter)") from error
     major, minor = str(device.compute_capability).split(".")
     return int(major), int(minor)
 
@@ -122,7 +128,8 @@ def _triton_call(launch, shapes, inputs):
                          "it with fa_jax._launch.plan_options()")
 
     # jax_triton passes a Python float as fp64: the kernels take fp32.
-    scalars = [np.float32(s) if isinstance(s, float) else s for s in launch.scalars]
+    scalars = [np.float32(s) if isinstance(s, float) else s
+               for s in registry.scalar_arguments(launch)]
     return _jax_triton().triton_call(
         *inputs, *scalars, kernel=registry.KERNELS[launch.kernel], out_shape=shapes,
         grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,

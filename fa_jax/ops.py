@@ -8,7 +8,6 @@ packed varlen inputs) it maps sequentially instead.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -19,21 +18,6 @@ from fa_kernels import plan as fa_plan
 from . import _launch, _sharding
 
 ARRAY_NAMES = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k")
-
-
-@dataclass(frozen=True)
-class Options:
-    """The static (hashable) part of a call: one compiled op per distinct value."""
-    causal: bool
-    softmax_scale: float
-    window_size: tuple
-    softcap: float
-    dropout_p: float
-    has_bias: bool
-    has_alibi: bool
-    varlen: bool
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
 
 
 def _dtype_name(x) -> str:
@@ -55,30 +39,39 @@ def _check_arrays(named: dict) -> None:
                     f"{where} in this process; move the array there")
 
 
-def problem_of(arrays: dict, options: Options) -> fa_plan.AttentionProblem:
+def validate(arrays: dict, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
+             dropout_p=0.0, max_seqlen_q=0, max_seqlen_k=0) -> fa_plan.AttentionProblem:
+    """The one validation of a call: the problem every later step derives from. Arrays
+    by name (q, k, v, and bias, slopes, cu_seqlens_q/k when given)."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    bias = arrays.get("bias") if options.has_bias else None
-    slopes = arrays.get("slopes") if options.has_alibi else None
+    bias, slopes = arrays.get("bias"), arrays.get("slopes")
     varlen = None
-    if options.varlen:
+    if arrays.get("cu_seqlens_q") is not None:
         cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
         varlen = dict(cu_seqlens_q_shape=cu_q.shape, cu_seqlens_k_shape=cu_k.shape,
                       cu_seqlens_q_dtype=_dtype_name(cu_q), cu_seqlens_k_dtype=_dtype_name(cu_k),
-                      max_seqlen_q=options.max_seqlen_q, max_seqlen_k=options.max_seqlen_k)
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     return fa_plan.check_problem(
         q.shape, k.shape, v.shape, _dtype_name(q), _dtype_name(k), _dtype_name(v),
-        causal=options.causal, softmax_scale=options.softmax_scale,
-        window_size=options.window_size, softcap=options.softcap, dropout_p=options.dropout_p,
-        bias_shape=None if bias is None else bias.shape,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        dropout_p=dropout_p, bias_shape=None if bias is None else bias.shape,
         bias_dtype=None if bias is None else _dtype_name(bias),
         alibi_shape=None if slopes is None else slopes.shape,
         alibi_dtype=None if slopes is None else _dtype_name(slopes), varlen=varlen)
 
 
+def _at(problem: fa_plan.AttentionProblem, arrays: dict) -> fa_plan.AttentionProblem:
+    """The call's problem on these arrays: one shard of it, or a folded vmap batch."""
+    return fa_plan.resized(
+        problem, arrays["q"].shape, arrays["k"].shape,
+        arrays["bias"].shape if problem.bias_shape is not None else None,
+        arrays["slopes"].shape if problem.alibi_shape is not None else None)
+
+
 # --------------------------------------------------------------------------- vmap rules
 
 
-def _batch_rule(fn, kinds, options: Options):
+def _batch_rule(fn, kinds, problem: fa_plan.AttentionProblem):
     """A custom_vmap rule for ``fn`` whose arguments are of the given kinds.
 
     * "batch": a leading batch axis; the mapped axis folds into it.
@@ -89,7 +82,7 @@ def _batch_rule(fn, kinds, options: Options):
     """
 
     def rule(axis_size, in_batched, *args):
-        sequential = options.varlen or any(
+        sequential = problem.varlen or any(
             b and kind == "fixed" for b, kind in zip(in_batched, kinds))
         if sequential:
             def one(mapped):
@@ -122,8 +115,8 @@ def _batch_rule(fn, kinds, options: Options):
     return rule
 
 
-def _kinds(names, options: Options):
-    row_kind = "fixed" if options.varlen else "batch"
+def _kinds(names, problem: fa_plan.AttentionProblem):
+    row_kind = "fixed" if problem.varlen else "batch"
     table = {"bias": "batchable", "slopes": "batchable", "seed": "fixed",
              "cu_seqlens_q": "fixed", "cu_seqlens_k": "fixed"}
     return tuple(table.get(n, row_kind) for n in names)
@@ -137,15 +130,16 @@ BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "lse_lo", "dout", "dlse")
 OPERANDS = {"forward": ARRAY_NAMES, "backward": BACKWARD_NAMES}
 
 
-def _kernel_body(kind: str, options: Options):
+def _kernel_body(kind: str, whole: fa_plan.AttentionProblem):
     """The op on arrays of any size (the whole problem, or one shard of it)."""
     names = OPERANDS[kind]
+    has_bias = whole.bias_shape is not None
 
     def body(*args):
         arrays = dict(zip(names, args))
-        if options.dropout_p > 0:
+        if whole.dropout_p > 0:
             arrays["seed"] = _sharding.with_offsets(arrays["seed"], *args[len(names):])
-        problem = problem_of(arrays, options)
+        problem = _at(whole, arrays)
         if kind == "forward":
             fwd = fa_plan.forward_plan(problem, capability=_launch.capability(),
                                        num_sms=_launch.num_sms(), **_launch.plan_options())
@@ -153,67 +147,66 @@ def _kernel_body(kind: str, options: Options):
                 _launch.run(launch, arrays)
             return tuple(arrays[name] for name in FORWARD_OUTPUTS)
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
-                                    bias_grad=options.has_bias, **_launch.plan_options())
+                                    bias_grad=has_bias, **_launch.plan_options())
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
         arrays["dlse"] = arrays["dlse"].astype(jnp.float32)
         for launch in bwd.launches:
             _launch.run(launch, arrays)
         grads = (arrays["dq"], arrays["dk"], arrays["dv"])
-        return grads + ((arrays["dbias"],) if options.has_bias else ())
+        return grads + ((arrays["dbias"],) if has_bias else ())
 
     return body
 
 
 @functools.lru_cache(maxsize=1024)
-def _partitioned_op(kind: str, options: Options, signature: tuple):
-    """The kernel op of one kind, options and operand signature, as a custom_partitioning
+def _partitioned_op(kind: str, whole: fa_plan.AttentionProblem, signature: tuple):
+    """The kernel op of one kind, problem and operand signature, as a custom_partitioning
     function (cached: jax re-traces a new one on every eager call)."""
     names = OPERANDS[kind]
     shapes = [shape for shape, _ in signature]
     arrays = {n: jax.ShapeDtypeStruct(shape, dtype) for n, (shape, dtype) in zip(names, signature)}
-    problem = problem_of(arrays, options)
-    in_names = names + (("batch_index", "head_index") if options.dropout_p > 0 else ())
+    problem = _at(whole, arrays)
+    in_names = names + (("batch_index", "head_index") if problem.dropout_p > 0 else ())
     if kind == "forward":
         out_names = FORWARD_OUTPUTS
         out_shapes = [problem.out_shape, problem.lse_shape, problem.lse_shape]
     else:
-        out_names = ("dq", "dk", "dv") + (("dbias",) if options.has_bias else ())
+        out_names = ("dq", "dk", "dv") + (("dbias",) if problem.bias_shape is not None else ())
         out_shapes = [problem.q_shape, problem.kv_shape, problem.kv_shape, problem.dbias_shape]
-    return _sharding.partitioned(_kernel_body(kind, options), in_names, shapes, out_names,
+    return _sharding.partitioned(_kernel_body(kind, whole), in_names, shapes, out_names,
                                  out_shapes[:len(out_names)], problem)
 
 
-def _call_op(kind: str, options: Options, args):
+def _call_op(kind: str, whole: fa_plan.AttentionProblem, args):
     extras = ()
-    if options.dropout_p > 0:
-        problem = problem_of(dict(zip(OPERANDS[kind], args)), options)
-        extras = _sharding.global_index_operands(problem)
+    if whole.dropout_p > 0:
+        extras = _sharding.global_index_operands(_at(whole, dict(zip(OPERANDS[kind], args))))
     operands = (*args, *extras)
     signature = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in operands)
-    return tuple(_partitioned_op(kind, options, signature)(*operands))
+    return tuple(_partitioned_op(kind, whole, signature)(*operands))
 
 
-@functools.lru_cache(maxsize=None)
-def forward_op(options: Options):
+@functools.lru_cache(maxsize=1024)
+def forward_op(problem: fa_plan.AttentionProblem):
     """(q, k, v, bias, slopes, seed, cu_seqlens_q, cu_seqlens_k) -> (out, lse, lse_lo)."""
 
     @jax.custom_batching.custom_vmap
     def forward(*args):
-        return _call_op("forward", options, args)
+        return _call_op("forward", problem, args)
 
-    forward.def_vmap(_batch_rule(forward, _kinds(ARRAY_NAMES, options), options))
+    forward.def_vmap(_batch_rule(forward, _kinds(ARRAY_NAMES, problem), problem))
     return forward
 
 
-@functools.lru_cache(maxsize=None)
-def backward_op(options: Options):
+@functools.lru_cache(maxsize=1024)
+def backward_op(problem: fa_plan.AttentionProblem):
     """(... the forward's arrays, out, lse, lse_lo, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
 
     @jax.custom_batching.custom_vmap
     def backward(*args):
-        return _call_op("backward", options, args)
+        return _call_op("backward", problem, args)
 
-    backward.def_vmap(_batch_rule(backward, _kinds(BACKWARD_NAMES, options), options))
+    backward.def_vmap(_batch_rule(backward, _kinds(BACKWARD_NAMES, problem), problem))
     return backward
 
 
@@ -223,25 +216,24 @@ def _zero_cotangent(x):
     return jnp.zeros_like(x)
 
 
-@functools.lru_cache(maxsize=None)
-def _differentiable(options: Options):
+@functools.lru_cache(maxsize=1024)
+def _differentiable(problem: fa_plan.AttentionProblem):
     @jax.custom_vjp
     def attend(*args):
-        return forward_op(options)(*args)[:2]
+        return forward_op(problem)(*args)[:2]
 
     def attend_fwd(*args):
-        out, lse, lse_lo = forward_op(options)(*args)
+        out, lse, lse_lo = forward_op(problem)(*args)
         return (out, lse), (args, out, lse, lse_lo)
 
     def attend_bwd(residuals, cotangents):
         args, out, lse, lse_lo = residuals
         dout, dlse = cotangents
-        grads = backward_op(options)(*args, out, lse, lse_lo, dout, dlse)
+        grads = backward_op(problem)(*args, out, lse, lse_lo, dout, dlse)
         dq, dk, dv = grads[:3]
         cotangent = [dq, dk, dv] + [_zero_cotangent(x) for x in args[3:]]
-        if options.has_bias:
+        if problem.bias_shape is not None:
             bias = args[3]
-            problem = problem_of(dict(zip(ARRAY_NAMES, args)), options)
             dbias = jnp.sum(grads[3], axis=problem.bias_reduce_axes, keepdims=True)
             cotangent[3] = dbias.reshape(bias.shape).astype(bias.dtype)
         return tuple(cotangent)
@@ -317,22 +309,17 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")
     varlen = cu_seqlens_q is not None
-    probe = Options(causal, softmax_scale, window_size, softcap, dropout_p, bias is not None,
-                    alibi_slopes is not None, varlen, max_seqlen_q, max_seqlen_k)
     arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes,
               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    problem = problem_of(arrays, probe)  # validates everything before any launch
+    problem = validate(arrays, causal=causal, softmax_scale=softmax_scale,
+                       window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if varlen:
         for name, total, longest in (("cu_seqlens_q", problem.total_q, problem.seqlen_q),
                                      ("cu_seqlens_k", problem.total_k, problem.seqlen_k)):
             values = arrays[name]
             if not isinstance(values, jax.core.Tracer):
                 fa_plan.check_cu_seqlens(name, np.asarray(values).tolist(), total, longest)
-    options = Options(problem.causal, problem.softmax_scale,
-                      (problem.window_left, problem.window_right),
-                      problem.softcap, problem.dropout_p, bias is not None,
-                      alibi_slopes is not None, varlen, problem.seqlen_q if varlen else 0,
-                      problem.seqlen_k if varlen else 0)
     check_dropout_seed(dropout_seed)  # checked with dropout off too
     seed = dropout_seed_array(dropout_seed) if problem.dropout_p > 0 else None
     if bias is not None:
@@ -340,7 +327,7 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     args = [jnp.asarray(x) if x is not None else _launch.placeholder()
             for x in (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)]
-    out, lse = _differentiable(options)(*args)
+    out, lse = _differentiable(problem)(*args)
     return (out, lse) if return_lse else out
 
 
@@ -402,16 +389,13 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False,
     (ring attention, ``fa_jax.ring``, sums these shares around the ring).
     """
     _check_arrays({"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout})
-    probe = Options(causal, softmax_scale, (-1, -1), 0.0, 0.0, False, False, False)
-    problem = problem_of({"q": q, "k": k, "v": v}, probe)
+    problem = validate({"q": q, "k": k, "v": v}, causal=causal, softmax_scale=softmax_scale)
     for name, x, shape in (("out", out, problem.out_shape), ("dout", dout, problem.out_shape),
                            ("lse", lse, problem.lse_shape)):
         if tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
-    options = Options(problem.causal, problem.softmax_scale, (-1, -1), 0.0, 0.0, False, False,
-                      False)
     unused = [_launch.placeholder() for _ in ARRAY_NAMES[3:]]
     lse = lse.astype(jnp.float32)  # (no bias: the kernels read no lse_lo)
-    grads = backward_op(options)(q, k, v, *unused, out, lse, lse, dout,
+    grads = backward_op(problem)(q, k, v, *unused, out, lse, lse, dout,
                                  jnp.zeros(lse.shape, jnp.float32))
     return grads[:3]

@@ -36,6 +36,9 @@ def run_python(code: str, env=None, timeout=600) -> str:
 class Broken:
     """A kernel whose launch fails, as an interpreter error inside a kernel would."""
 
+    def __init__(self, kernel):
+        self.arg_names = kernel.arg_names
+
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             raise RuntimeError("forced failure inside the launch")
@@ -49,7 +52,7 @@ def test_failed_launch_raises_and_returns_nothing(monkeypatch, kernel):
     loss = lambda q, k, v: fa_jax.attention(q, k, v, causal=True).astype(jnp.float32).sum()  # noqa: E731
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     good = jax.block_until_ready(step(q, k, v))
-    monkeypatch.setitem(registry.KERNELS, kernel, Broken())
+    monkeypatch.setitem(registry.KERNELS, kernel, Broken(registry.KERNELS[kernel]))
     for call in (step, jax.value_and_grad(loss, argnums=(0, 1, 2))):
         with pytest.raises(Exception, match="forced failure inside the launch") as failure:
             jax.block_until_ready(call(q, k, v))

@@ -69,6 +69,8 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, call, error, match)
 @pytest.mark.skipif(not runtime.interpreting(), reason="the CPU launch path")
 def test_error_inside_a_launch_reaches_the_caller(monkeypatch):
     class Broken:
+        arg_names = registry.KERNELS["attention_forward"].arg_names
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 raise RuntimeError("forced failure inside the launch")

@@ -40,7 +40,7 @@ class Jit:
 def stand_in(monkeypatch, calls):
     monkeypatch.setitem(registry.KERNELS, "stand_in", Jit(calls))
     monkeypatch.setattr(launcher, "_COMPILED", {})
-    return plan.Launch(kernel="stand_in", grid=(3, 2, 1), inputs=("a", "b"), scalars=(0.5, 7),
+    return plan.Launch(kernel="stand_in", grid=(3, 2, 1), inputs=("a", "b"), scalars=dict(n=7, alpha=0.5),
                        outputs=(plan.Output("out", (4,), "bfloat16"),),
                        constexprs=dict(FLAG=True, BLOCK=64), num_warps=4, num_stages=2)
 

@@ -1,4 +1,5 @@
 """The launch plan alone: pure Python, no kernel runs."""
+import dataclasses
 import itertools
 
 import pytest
@@ -25,18 +26,8 @@ def test_problem_fields():
     assert problem(q_dtype="float32", k_dtype="float32", v_dtype="float32").dot_precision == "ieee"
 
 
-def scalars_by_name(launch) -> dict:
-    """A launch's scalars keyed by the kernel's parameter names (they follow the inputs)."""
-    from fa_kernels.registry import KERNELS
-
-    names = [n for n in KERNELS[launch.kernel].arg_names if n not in launch.constexprs]
-    names = names[len(launch.inputs):len(launch.inputs) + len(launch.scalars)]
-    assert len(names) == len(launch.scalars)
-    return dict(zip(names, launch.scalars))
-
-
 def strides(scalars: dict, array: str) -> tuple:
-    """(batch, seq, head) strides of one array (q, k, v, o...) from scalars_by_name."""
+    """(batch, seq, head) strides of one array (q, k, v, o...) from a launch's scalars."""
     return tuple(scalars[f"stride_{array}{axis}"] for axis in ("b", "m" if array in "qo" else "n",
                                                                "h"))
 
@@ -48,7 +39,7 @@ def test_forward_grid_and_strides(capability):
     launch = fwd.launch
     block_m = launch.constexprs["BLOCK_M"]
     assert launch.grid == (-(-100 // block_m), 8, 2)
-    scalars = scalars_by_name(launch)
+    scalars = launch.scalars
     assert scalars["qk_scale"] == pytest.approx(72 ** -0.5 * 1.4426950408889634)
     assert [scalars[n] for n in ("window_left", "window_right", "seqlen_q", "seqlen_k",
                                  "total_q", "total_k")] == [-1, -1, 100, 300, 0, 0]
@@ -184,7 +175,7 @@ def test_varlen_layout():
     # 30 queries of 4 heads a group: one tile of (query, head) rows per K/V head (packed GQA)
     assert launch.grid == (-(-120 // launch.constexprs["BLOCK_M"]), 2, 3)
     assert launch.constexprs["IS_VARLEN"] and launch.constexprs["PACK_GQA"]
-    scalars = scalars_by_name(launch)
+    scalars = launch.scalars
     assert strides(scalars, "q") == (0, 8 * 64, 64)  # no batch stride in a packed array
     assert (scalars["total_q"], scalars["total_k"]) == (50, 70)
 
@@ -226,7 +217,8 @@ def test_split_kv_plan():
     assert [o.shape for o in fwd.launch.outputs] == [(fwd.num_splits, 2, 1, 8, 64),
                                                      (fwd.num_splits, 2, 8, 1),
                                                      (fwd.num_splits, 2, 8, 1)]
-    assert fwd.launch.scalars[-3:] == (fwd.num_splits, 2 * 8 * 64, 2 * 8)
+    assert [fwd.launch.scalars[n] for n in ("num_splits", "stride_os", "stride_ls")] == [
+        fwd.num_splits, 2 * 8 * 64, 2 * 8]
     assert fwd.combine.inputs[:3] == ("out_partial", "lse_partial", "lse_lo_partial")
     assert [o.name for o in fwd.combine.outputs] == ["out", "lse", "lse_lo"]
     assert plan.forward_plan(p, capability=(9, 0)).launches == (
@@ -323,3 +315,30 @@ def test_held_blocks_need_their_own_strides_aligned():
     bwd = plan.backward_plan(p, capability=(9, 0), k_strides=odd_k, tma=True)
     assert bwd.dkdv.constexprs["USE_TMA"] and not bwd.dkdv.constexprs["HOLD_TMA"]
     assert not bwd.dq.constexprs["USE_TMA"] and not bwd.dq.constexprs["HOLD_TMA"]
+
+
+@pytest.mark.parametrize("build", ["forward", "split", "backward", "dropout"])
+def test_every_launch_names_exactly_its_kernels_scalars(build):
+    # Launches carry scalars by the kernel's parameter names: a name too many, too few or
+    # misspelt is a TypeError before any launch, never a shifted argument.
+    from fa_kernels import registry
+
+    p = problem(bias_shape=(2, 8, 100, 300), bias_dtype="bfloat16", dropout_p=0.1)
+    launches = {
+        "forward": lambda: plan.forward_plan(p, capability=(9, 0)).launches,
+        "split": lambda: plan.forward_plan(p, capability=(9, 0), num_splits=2).launches,
+        "backward": lambda: plan.backward_plan(p, capability=(9, 0), bias_grad=True).launches,
+        "dropout": lambda: (plan.dropout_mask_plan(2, 8, 100, 300, 0.1, capability=None),),
+    }[build]()
+    for launch in launches:
+        kernel = registry.KERNELS[launch.kernel]
+        ordered = registry.scalar_arguments(launch)
+        names = [n for n in kernel.arg_names if n in launch.scalars]
+        assert ordered == tuple(launch.scalars[n] for n in names)
+        broken = dataclasses.replace(launch, scalars={**launch.scalars, "stride_zz": 1})
+        with pytest.raises(TypeError, match="takes the scalars"):
+            registry.scalar_arguments(broken)
+        missing = dict(launch.scalars)
+        missing.pop(next(iter(missing)))
+        with pytest.raises(TypeError, match="takes the scalars"):
+            registry.scalar_arguments(dataclasses.replace(launch, scalars=missing))

@@ -310,3 +310,41 @@ def test_torch_ring_options():
         fa_torch.ring.ring_attention(q, q, q, causal="no")
     with pytest.raises(TypeError, match=r"softmax_scale must be a real number or None"):
         fa_torch.ring.ring_attention(q, q, q, softmax_scale="abc")
+
+
+@pytest.mark.parametrize("front", ["torch", "jax"])
+@pytest.mark.parametrize("mode", ["forward", "forward+backward", "dropout, jitted"])
+def test_one_validation_per_call(monkeypatch, front, mode):
+    # A call is validated once; every later step (plans, shards, vmap, the backward)
+    # derives from that problem. (fa_torch caches it: a repeated call validates nothing.)
+    from fa_kernels import plan as fa_plan
+
+    calls = []
+    check = fa_plan.check_problem
+    monkeypatch.setattr(fa_plan, "check_problem",
+                        lambda *a, **kw: calls.append(1) or check(*a, **kw))
+    shape = (1, 24 + len(mode) + len(front), 2, 16)  # a shape no other test cached
+    options = dict(causal=True)
+    if "dropout" in mode:
+        options.update(dropout_p=0.1, dropout_seed=3)
+    if front == "torch":
+        import fa_torch
+
+        q = torch.randn(shape, device=DEVICE, requires_grad=mode != "forward")
+        out = fa_torch.attention(q, q, q, **options)
+        if mode != "forward":
+            out.sum().backward()
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        import fa_jax
+
+        q = jnp.ones(shape)
+        attend = lambda q: fa_jax.attention(q, q, q, **options).sum()  # noqa: E731
+        if mode == "forward":
+            jax.block_until_ready(attend(q))
+        else:
+            step = jax.jit(jax.grad(attend)) if "jitted" in mode else jax.grad(attend)
+            jax.block_until_ready(step(q))
+    assert len(calls) == 1

@@ -74,9 +74,10 @@ def launch(launch, inputs: list, outputs: list, device: int | None, allocate=Non
     descriptors."""
     launch = fit_to_arrays(launch, inputs)
     if device is None:  # Triton's interpreter (its kernels are never cached)
+        scalars = registry.scalar_arguments(launch)
         with _INTERPRETER_LOCK:
             registry.KERNELS[launch.kernel][launch.grid](
-                *inputs, *launch.scalars, *outputs, num_warps=launch.num_warps,
+                *inputs, *scalars, *outputs, num_warps=launch.num_warps,
                 num_stages=launch.num_stages, **launch.constexprs)
         return
     if not (launch.constexprs.get("USE_TMA") and allocate is not None):
@@ -90,20 +91,20 @@ def launch(launch, inputs: list, outputs: list, device: int | None, allocate=Non
 
 
 def _launch(launch, inputs: list, outputs: list, device: int) -> None:
-    kernel = registry.KERNELS[launch.kernel]
     key = _key(launch, (*inputs, *outputs), device)
     entry = _COMPILED.get(key)
     if entry is None:
-        compiled = kernel[launch.grid](*inputs, *launch.scalars, *outputs,
-                                       num_warps=launch.num_warps,
+        kernel = registry.KERNELS[launch.kernel]
+        scalars = registry.scalar_arguments(launch)
+        compiled = kernel[launch.grid](*inputs, *scalars, *outputs, num_warps=launch.num_warps,
                                        num_stages=launch.num_stages, **launch.constexprs)
         # The launch is kept in the entry: its id() stays its own while cached.
         tail = [launch.constexprs[name]
-                for name in kernel.arg_names[len(inputs) + len(launch.scalars) + len(outputs):]]
+                for name in kernel.arg_names[len(inputs) + len(scalars) + len(outputs):]]
         if len(_COMPILED) >= _MAX_ENTRIES:
             _COMPILED.clear()
-        _COMPILED[key] = (launch, compiled, tail)
+        _COMPILED[key] = (launch, compiled, scalars, tail)
         return
-    _, compiled, tail = entry
+    _, compiled, scalars, tail = entry
     # The compiled kernel's launcher calls Triton's launch hooks (its profiler) as the JIT does.
-    compiled[launch.grid](*inputs, *launch.scalars, *outputs, *tail)
+    compiled[launch.grid](*inputs, *scalars, *outputs, *tail)

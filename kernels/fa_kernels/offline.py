@@ -58,12 +58,13 @@ def specialise(launch, dtypes: dict, launcher: str = "jit"):
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from .registry import KERNELS
+    from .registry import KERNELS, scalar_arguments
 
     kernel = KERNELS[launch.kernel]
     arrays = [dtypes.get(name, "float32") for name in launch.inputs]
     arrays_out = [o.dtype for o in launch.outputs]
-    values = ([("array", d) for d in arrays] + [("scalar", s) for s in launch.scalars]
+    scalars = scalar_arguments(launch)
+    values = ([("array", d) for d in arrays] + [("scalar", s) for s in scalars]
               + [("array", d) for d in arrays_out])
     signature, constexprs, attrs = {}, dict(launch.constexprs), {}
     for index, name in enumerate(kernel.arg_names):

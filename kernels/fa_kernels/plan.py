@@ -8,7 +8,9 @@ and launches each ``Launch`` in order:
                        num_warps=..., num_stages=...)
 
 which is also the argument order ``jax_triton.triton_call`` uses (arrays and
-scalars positionally, outputs appended, constexprs as keywords). Inputs a problem
+scalars positionally, outputs appended, constexprs as keywords). Inputs and outputs
+follow the kernel's array parameters in order; ``scalars`` are named by the kernel's
+parameter names, and ``registry.scalar_arguments`` puts them in its order. Inputs a problem
 does not use (no bias, no dropout...) are still passed, as any 1-element array:
 their constexpr flag is off, so the kernel never touches them.
 
@@ -23,7 +25,7 @@ import functools
 import json
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,7 +57,7 @@ class Launch:
     kernel: str
     grid: tuple[int, int, int]
     inputs: tuple[str, ...]
-    scalars: tuple
+    scalars: dict = field(hash=False)  # by the kernel's parameter names
     outputs: tuple[Output, ...]
     constexprs: dict = field(hash=False)
     num_warps: int
@@ -78,7 +80,7 @@ class Launch:
     def from_json(cls, text: str) -> "Launch":
         d = json.loads(text)
         return cls(kernel=d["kernel"], grid=tuple(d["grid"]), inputs=tuple(d["inputs"]),
-                   scalars=tuple(d["scalars"]),
+                   scalars=d["scalars"],
                    outputs=tuple(Output(n, tuple(shape), dtype, zeroed)
                                  for n, shape, dtype, zeroed in d["outputs"]),
                    constexprs=d["constexprs"], num_warps=d["num_warps"],
@@ -222,6 +224,22 @@ def _real(name: str, value, expected: str = "a real number") -> float:
 
 FLOAT32_TINY = 2.0 ** -126  # the smallest normal fp32
 
+
+def resized(problem: AttentionProblem, q_shape: Shape, kv_shape: Shape,
+            bias_shape: Shape | None = None, alibi_shape: Shape | None = None) -> AttentionProblem:
+    """The validated ``problem`` on arrays with other batch or head counts: one shard of
+    it, or a vmapped batch folded into it. Nothing is validated again: only what the
+    arrays' shapes say changes (lengths, head dim, dtypes and options stay)."""
+    if problem.varlen:
+        changes = dict(total_q=q_shape[0], total_k=kv_shape[0], heads_q=q_shape[1],
+                       heads_k=kv_shape[1])
+    else:
+        changes = dict(batch=q_shape[0], heads_q=q_shape[2], heads_k=kv_shape[2])
+    if problem.bias_shape is not None:
+        changes["bias_shape"] = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    if problem.alibi_shape is not None:
+        changes["alibi_shape"] = tuple(alibi_shape)
+    return replace(problem, **changes)
 
 def normalize_softmax_scale(softmax_scale, head_dim: int) -> float:
     """``None`` means head_dim ** -0.5; 0.0 is a legal scale (all scores equal). A scale
@@ -514,19 +532,25 @@ def score_unit(p: AttentionProblem) -> float:
     return 1.0 if p.bias_shape is not None else LOG2E
 
 
-def _feature_scalars(p: AttentionProblem) -> tuple:
+def _feature_scalars(p: AttentionProblem) -> dict:
     """The options' scalars, 0 for an option that is off (jax_triton would fold a 1 into
     the kernel as a constant, where Triton's JIT keeps a float: two codes for one kernel)."""
     softcap_scale = p.softmax_scale / p.softcap if p.softcap else 0.0
     dropout_scale = 1.0 / (1.0 - p.dropout_p) if p.dropout_p > 0 else 0.0
-    return (softcap_scale, p.softcap * score_unit(p), p.dropout_p, dropout_scale,
-            p.window_left, p.window_right)
+    return dict(softcap_scale=softcap_scale, softcap_out=p.softcap * score_unit(p),
+                dropout_p=p.dropout_p, dropout_scale=dropout_scale,
+                window_left=p.window_left, window_right=p.window_right)
 
 
-def _lengths(p: AttentionProblem) -> tuple:
-    """(seqlen_q, seqlen_k, total_q, total_k): with varlen, the max lengths and the packed
+def _lengths(p: AttentionProblem) -> dict:
+    """seqlen_q, seqlen_k, total_q, total_k: with varlen, the max lengths and the packed
     token counts that the kernels clamp device-side cu_seqlens to."""
-    return p.seqlen_q, p.seqlen_k, p.total_q, p.total_k
+    return dict(seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, total_q=p.total_q, total_k=p.total_k)
+
+
+def _named(array: str, strides: tuple, axes: str) -> dict:
+    """``stride_<array><axis>`` for each stride, as the kernels name them."""
+    return {f"stride_{array}{axis}": stride for axis, stride in zip(axes, strides)}
 
 
 def _feature_constexprs(p: AttentionProblem) -> dict:
@@ -543,10 +567,10 @@ def fold_scale(p: AttentionProblem) -> bool:
             and p.alibi_shape is None)
 
 
-def _bias_alibi_scalars(p: AttentionProblem, bias_st) -> tuple:
+def _bias_alibi_scalars(p: AttentionProblem, bias_st) -> dict:
     bias = bias_strides(p.bias_shape, bias_st) if p.bias_shape is not None else (0, 0, 0, 0)
     slopes = p.heads_q if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0
-    return (*bias, slopes)
+    return {**_named("b", bias, "bhmn"), "stride_sb": slopes}
 
 
 # ---------------------------------------------------------------------------
@@ -641,9 +665,12 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         kernel="attention_forward",
         grid=(blocks * num_splits, heads, p.batch),
         inputs=ATTENTION_INPUTS,
-        scalars=(p.softmax_scale * score_unit(p), *_feature_scalars(p), *_lengths(p),
-                 *q_st, *k_st, *v_st, *o_st, *l_st, *_bias_alibi_scalars(p, bias_strides),
-                 num_splits, *split_strides),
+        scalars=dict(qk_scale=p.softmax_scale * score_unit(p), **_feature_scalars(p),
+                     **_lengths(p), **_named("q", q_st, "bmh"), **_named("k", k_st, "bnh"),
+                     **_named("v", v_st, "bnh"), **_named("o", o_st, "bmh"),
+                     **_named("l", l_st, "bh"), **_bias_alibi_scalars(p, bias_strides),
+                     num_splits=num_splits, stride_os=split_strides[0],
+                     stride_ls=split_strides[1]),
         outputs=outputs,
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
@@ -662,7 +689,9 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
             grid=(_cdiv(p.seqlen_q, block_m), p.heads_q, p.batch),
             inputs=("out_partial", "lse_partial", "lse_lo_partial", "cu_seqlens_q",
                     "cu_seqlens_k"),
-            scalars=(p.seqlen_q, p.total_q, num_splits, *o_st, *l_st, *split_strides),
+            scalars=dict(seqlen_q=p.seqlen_q, total_q=p.total_q, num_splits=num_splits,
+                         **_named("o", o_st, "bmh"), **_named("l", l_st, "bh"),
+                         stride_os=split_strides[0], stride_ls=split_strides[1]),
             outputs=results,
             constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m,
                             IS_VARLEN=p.varlen, HAS_BIAS=p.bias_shape is not None),
@@ -709,7 +738,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         kernel="attention_backward_preprocess",
         grid=(_cdiv(pre_rows, pre.block_m), p.heads_q, pre_batch),
         inputs=("out", "dout", "dlse"),
-        scalars=(pre_rows, *o_st, *do_st, *l_st),
+        scalars=dict(seqlen_q=pre_rows, **_named("o", o_st, "bmh"),
+                     **_named("do", do_st, "bmh"), **_named("l", l_st, "bh")),
         outputs=(Output("delta", p.lse_shape, "float32"),),
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=pre.block_m,
                         HAS_DLSE=bool(has_dlse), STRIDES_ALIGNED=_aligned(o_st, do_st)),
@@ -717,9 +747,11 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         num_stages=pre.num_stages,
     )
 
-    common_scalars = (p.softmax_scale, p.softmax_scale * score_unit(p), *_feature_scalars(p),
-                      *_lengths(p), *q_st, *k_st, *v_st, *do_st, *l_st,
-                      *_bias_alibi_scalars(p, bias_strides))
+    common_scalars = dict(softmax_scale=p.softmax_scale,
+                          qk_scale=p.softmax_scale * score_unit(p), **_feature_scalars(p),
+                          **_lengths(p), **_named("q", q_st, "bmh"), **_named("k", k_st, "bnh"),
+                          **_named("v", v_st, "bnh"), **_named("do", do_st, "bmh"),
+                          **_named("l", l_st, "bh"), **_bias_alibi_scalars(p, bias_strides))
     aligned = _aligned(q_st, k_st, v_st, do_st, dq_st, dkv_st)
 
     def constexprs(cfg, **extra):
@@ -735,7 +767,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         kernel="attention_backward_dkdv",
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
         inputs=BACKWARD_INPUTS,
-        scalars=(*common_scalars, *dkv_st, *dkv_st),
+        scalars=dict(common_scalars, **_named("dk", dkv_st, "bnh"), **_named("dv", dkv_st, "bnh")),
         outputs=(Output("dk", p.kv_shape, p.dtype, zeroed=p.varlen),
                  Output("dv", p.kv_shape, p.dtype, zeroed=p.varlen)),
         constexprs=constexprs(kv, **_tma_flags(kv, tma, capability, p.dtype,
@@ -753,7 +785,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         kernel="attention_backward_dq",
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),
         inputs=BACKWARD_INPUTS,
-        scalars=(*common_scalars, *dq_st, *dbias_st),
+        scalars=dict(common_scalars, **_named("dq", dq_st, "bmh"),
+                     **_named("db", dbias_st, "bhm")),
         outputs=(Output("dq", p.q_shape, p.dtype, zeroed=p.varlen), dbias),
         constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
                               **_tma_flags(qc, tma, capability, p.dtype,
@@ -781,7 +814,9 @@ def dropout_mask_plan(batch: int, heads: int, seqlen_q: int, seqlen_k: int, drop
     cfg = tile_config("forward", 16, "float32", seqlen_q, seqlen_k, capability)
     return Launch(
         kernel="dropout_mask", grid=(_cdiv(seqlen_q, cfg.block_m), heads, batch),
-        inputs=("seed",), scalars=(dropout_p, seqlen_q, seqlen_k, st[0], st[1], st[2]),
+        inputs=("seed",),
+        scalars=dict(dropout_p=dropout_p, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                     **_named("m", st[:3], "bhm")),
         outputs=(Output("mask", shape, "int8"),),
         constexprs=dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
         num_warps=4, num_stages=1)
