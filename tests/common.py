@@ -1,7 +1,7 @@
 """Shared test helpers: inputs, the flash-attn tolerance rule, the device."""
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 
 import numpy as np
 import pytest
@@ -28,23 +28,12 @@ def clear_plans():
 
 
 @pytest.fixture
-def replace_entries(monkeypatch):
-    """``replace_entries(kernels, **flags)``: every GPU table entry of ``kernels`` (the
-    interpreter's config on the CPU) with ``flags`` set for this test; the cached plans
-    are made again, then and after the test."""
-    def replace(kernels, **flags):
-        if ON_GPU:
-            for table in (configs._GPU_16BIT, configs._GPU_32BIT, configs._GPU_16BIT_CAUSAL,
-                          configs._GPU_16BIT_SHORT, configs._GPU_16BIT_FEW_ROWS):
-                for key, cfg in list(table.items()):
-                    if key[0] in kernels:
-                        monkeypatch.setitem(table, key, dataclasses.replace(cfg, **flags))
-        else:
-            monkeypatch.setattr(configs, "_INTERPRETER",
-                                dataclasses.replace(configs._INTERPRETER, **flags))
-        clear_plans()
-    yield replace
-    clear_plans()  # (before monkeypatch restores the tables: no plan is made in between)
+def replace_entries():
+    """``replace_entries(kernels, **flags)``: every table entry of ``kernels`` (the
+    interpreter's config too) with ``flags`` set, for the rest of this test
+    (``configs.override``, which also remakes the cached plans)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda kernels, **flags: stack.enter_context(configs.override(kernels, **flags))
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed=0,

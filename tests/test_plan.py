@@ -342,3 +342,29 @@ def test_every_launch_names_exactly_its_kernels_scalars(build):
         missing.pop(next(iter(missing)))
         with pytest.raises(TypeError, match="takes the scalars"):
             registry.scalar_arguments(dataclasses.replace(launch, scalars=missing))
+
+
+def test_config_override_is_scoped_and_remakes_plans():
+    # configs.override: entries by (kernel, block_d, dtype) on a GPU, fields on every entry
+    # of some kernels (the interpreter's too); cached plans follow it in and out.
+    from fa_kernels import configs
+
+    p = problem(q_shape=(2, 4096, 8, 128), k_shape=(2, 4096, 2, 128), v_shape=(2, 4096, 2, 128))
+    before = plan.forward_plan(p, capability=(9, 0)).launch
+    entry = configs.TileConfig(64, 32, 4, 3)
+    with configs.override(entries={("forward", 128, "bfloat16"): entry}):
+        inside = plan.forward_plan(p, capability=(9, 0)).launch
+        assert (inside.constexprs["BLOCK_M"], inside.constexprs["BLOCK_N"], inside.num_warps,
+                inside.num_stages) == (64, 32, 4, 3)
+        assert not inside.constexprs["USE_TMA"]
+        other = plan.forward_plan(problem(q_dtype="float16", k_dtype="float16", v_dtype="float16",
+                                          q_shape=(2, 4096, 8, 128), k_shape=(2, 4096, 2, 128),
+                                          v_shape=(2, 4096, 2, 128)), capability=(9, 0)).launch
+        assert other.constexprs["BLOCK_N"] != 32  # another dtype keeps the table's entry
+        with configs.override(("forward", "dq"), num_stages=1, tma=True):
+            nested = plan.forward_plan(p, capability=(9, 0)).launch
+            assert nested.num_stages == 1 and nested.constexprs["USE_TMA"]
+            assert plan.forward_plan(p, capability=None).launch.num_stages == 1
+            assert plan.backward_plan(p, capability=(9, 0)).dq.num_stages == 1
+        assert plan.forward_plan(p, capability=(9, 0)).launch == inside
+    assert plan.forward_plan(p, capability=(9, 0)).launch == before

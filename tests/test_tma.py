@@ -167,7 +167,7 @@ def test_unaligned_keys_fall_back_to_pointer_loads():
     assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
 
 
-def test_descriptors_only_where_they_apply(monkeypatch):
+def test_descriptors_only_where_they_apply():
     q_shape = (1, 64, 2, 36)
     fp16 = fa_plan.check_problem(q_shape, q_shape, q_shape, "float16", "float16", "float16")
     # 36 fp16 values a row: 72 bytes, not whole 16-byte units
@@ -175,16 +175,12 @@ def test_descriptors_only_where_they_apply(monkeypatch):
     fp32 = fa_plan.check_problem(q_shape, q_shape, q_shape, "float32", "float32", "float32")
     assert fa_plan.forward_plan(fp32, capability=(9, 0), tma=True).launch.constexprs["USE_TMA"]
     # The table's flag, like the forced one, holds from sm_90 on.
-    monkeypatch.setitem(configs._GPU_16BIT, ("forward", 128),
-                        configs.TileConfig(128, 64, 8, 3, tma=True))
     shape = (1, 4096, 2, 128)
     problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
-    fa_plan.forward_plan.cache_clear()
-    try:
+    entry = configs.TileConfig(128, 64, 8, 3, tma=True)
+    with configs.override(entries={("forward", 128, "bfloat16"): entry}):
         for capability, on in (((8, 0), False), ((9, 0), True)):
             flags = fa_plan.forward_plan(problem, capability=capability).launch.constexprs
-            assert flags["USE_TMA"] == on
+            assert flags["USE_TMA"] == on and flags["BLOCK_M"] == 128
             forced = fa_plan.forward_plan(problem, capability=capability, tma=True).launch
             assert forced.constexprs["USE_TMA"] == on
-    finally:
-        fa_plan.forward_plan.cache_clear()

@@ -11,6 +11,7 @@ candidates on the GPU; the table holds what it chose.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 
@@ -209,6 +210,53 @@ def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_it
     return held + stages * streamed_rows * block_d * item + max(1, stages - 1) * tile * bias_item
 
 
+# What ``override`` layers on the tables, innermost last, and who must hear of a change
+# (the plan's caches: a plan is a function of the tables).
+_OVERRIDES: list = []
+_ON_CHANGE: list = []
+
+
+def on_change(callback) -> None:
+    """Call ``callback()`` whenever ``override`` changes what the tables give."""
+    _ON_CHANGE.append(callback)
+
+
+def _changed() -> None:
+    for callback in _ON_CHANGE:
+        callback()
+
+
+@contextlib.contextmanager
+def override(kernels: tuple = (), entries: dict | None = None, **fields):
+    """The tables as a caller wants them, inside a ``with`` block (tests, tuning, trying
+    a config without editing this file):
+
+    * ``entries``: ``{(kernel, block_d, dtype): TileConfig}``, what a GPU gets for that
+      kernel, padded head dim and dtype in place of every table's entry;
+    * ``fields`` (``tma=True``, ``apart=True``, ``num_stages=2``...): set on every entry
+      of ``kernels`` ("forward", "dkdv", "dq", "preprocess"), the interpreter's too.
+
+    The tile is then fitted to the sequence and the device as usual. Plans made before
+    are dropped on entry and on exit."""
+    layer = (tuple(kernels), dict(entries or {}), fields)
+    _OVERRIDES.append(layer)
+    _changed()
+    try:
+        yield
+    finally:
+        _OVERRIDES.remove(layer)
+        _changed()
+
+
+def _overridden(base: TileConfig, kernel: str, block_d: int, dtype: str, gpu: bool) -> TileConfig:
+    for kernels, entries, fields in _OVERRIDES:
+        if gpu and (kernel, block_d, dtype) in entries:
+            base = entries[(kernel, block_d, dtype)]
+        if kernel in kernels:
+            base = replace(base, **fields)
+    return base
+
+
 def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
                 capability: tuple[int, int] | None, bias_item: int = 0,
                 bias_grad: bool = False, causal: bool = False) -> TileConfig:
@@ -222,6 +270,9 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
         base = _INTERPRETER
     else:
         base = table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k, causal)
+    if _OVERRIDES:
+        base = _overridden(base, kernel, 0 if kernel == "preprocess" else block_d, dtype,
+                           capability is not None)
     block_m = min(base.block_m, seqlen_bucket(seqlen_q))
     block_n = min(base.block_n, seqlen_bucket(seqlen_k)) if base.block_n else 0
     num_warps = base.num_warps

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from . import configs
 from .configs import ITEMSIZE, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -795,6 +796,14 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         num_stages=qc.num_stages,
     )
     return BackwardPlan(problem, preprocess, dkdv, dq)
+
+
+def _drop_cached_plans() -> None:
+    forward_plan.cache_clear()
+    backward_plan.cache_clear()
+
+
+configs.on_change(_drop_cached_plans)
 
 
 def dropout_mask_plan(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
