@@ -1,7 +1,7 @@
 """A/B of kernel variants in one process: the plan's launch of one kernel, timed as is and
 with constexprs overridden, on the bench shapes (GPU), with the outputs compared.
 
-    python benchmarks/ab.py --kernel forward --variant LAZY_RESCALE=0 [--variant ...]
+    python benchmarks/ab.py --kernel forward --variant USE_TMA=0 [--variant FOLD_SCALE=0 ...]
                             [--shape 4,4096,16,16,128,0 ...] [--dtype bfloat16]
 
 Each ``--variant`` is NAME=VALUE[,NAME=VALUE...] (ints; 0/1 for flags; not what the grid

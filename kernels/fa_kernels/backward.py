@@ -152,7 +152,7 @@ def attention_backward_dkdv(
     stride_dvh = aligned(stride_dvh, STRIDES_ALIGNED)
     # DKDV_PARTS = 2: two programs a key block, the even one sums dV and the odd one dK
     # (each recomputes P), where one program cannot hold both accumulators without
-    # spilling (D = 256; NOTES 19). 1: one program sums both.
+    # spilling (D = 256). 1: one program sums both.
     block = tl.program_id(0) // DKDV_PARTS
     start_n = block * BLOCK_N
     head_k = tl.program_id(1)
@@ -202,7 +202,7 @@ def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, st
     # Key rows past seqlen_k read as 0. They need no mask here: a key column of dS
     # only reaches its own rows of dK and dV, and those rows are not stored. Through a
     # descriptor (HOLD_TMA) the held K and V land in shared memory, where the matmuls read
-    # them, with no copy in registers (at D = 256 that halves the spills: NOTES 16, 17).
+    # them, with no copy in registers (at D = 256 that halves the spills).
     k_row0 = k_start + tl.cast(start_n, tl.int64)
     k_source = block_source(K + batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn,
                             seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)

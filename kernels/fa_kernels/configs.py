@@ -33,39 +33,19 @@ class TileConfig:
     # dK/dV, Q/dO in dQ) come through descriptors too and stay in shared memory, where the
     # matmuls read them, with no register copy (the forward keeps its Q in registers).
     # That pays where registers run out (dK/dV from D = 128, dQ at 256); where the copy
-    # is cheap, holding in registers measured faster (NOTES 17).
+    # is cheap, holding in registers measured faster.
     hold_tma: bool = True
     # dK/dV only: two programs a key block, one summing dV and one dK (each recomputes P,
     # so five matmuls where one program does four). Pays where one program cannot hold
-    # both fp32 accumulators without spilling (D = 256, NOTES 19).
+    # both fp32 accumulators without spilling (D = 256).
     apart: bool = False
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
-# benchmarks/tune.py (2026-12-03; B*S = 16384 at S = 4096, causal and not; times in
-# benchmarks/NOTES.md). Head dims under 64 take the 64 entries. The forward entries from
-# D = 64 read K/V through tensor descriptors (fourth session: 1.083 / 0.633 ms against
-# 1.196 / 0.684 for (128, 64, 8, 4) at D = 128; 1.327 / 0.734 against 1.356 / 0.739 at 64).
-# So do the dK/dV entries at D = 64 and 128 (Q/dO) and dQ at 128 (K/V), from
-# `tune.py --kernels dkdv,dq --head-dims 128,64` (fifth session; NOTES 16): dK/dV D = 128
-# 2.294 / 1.194 ms against 2.327 / 1.305 for (64, 128, 8, 2), D = 64 2.415 / 1.308
-# against 2.653 / 1.423 for (64, 64, 4, 2); dQ D = 128 1.335 / 0.749 against 1.416 / 0.785.
-# With descriptors the blocks a program holds (K/V in dK/dV, Q/dO in dQ) stay in shared
-# memory too, `tune.py --tma-only --kernels dkdv,dq --head-dims 128,256,64` (sixth
-# session; NOTES 17): dK/dV D = 128 (64, 64, 4, 2) 1.972 / 1.266 ms against 2.245 / 1.254,
-# D = 256 3.737 / 2.473 against 4.716 / 3.418 (pointer loads); dQ D = 256 1.331 / 0.859
-# against 1.473 / 0.855. At D = 64 the best dK/dV holding through descriptors took
-# 2.517 / 1.371 ms, where the fifth session's entry (held in registers) took 2.415 / 1.308
-# (and fwd+bwd read 363 against 372 TFLOP/s in the benches): that entry stays. So does
-# dQ's at D = 128: holding Q/dO through descriptors read 1.395 / 0.798 ms against the
-# fifth session's 1.335 / 0.749 in registers (across runs; NOTES 17 has the rest).
-# `tune.py --tma-only --kernels dkdv,dq --head-dims 64,128` (seventh session; NOTES 18)
-# kept those two and the D = 128 dK/dV entry, and moved dQ at D = 64 to descriptors
-# (holding Q/dO through them): 1.411 / 0.787 ms against the pointer entry's 1.452 / 0.799.
-# `tune.py --tma-only --kernels forward,dkdv --head-dims 256` (eighth session; NOTES 19):
-# the D = 256 forward through descriptors 1.118 / 0.660 ms against 1.276 / 0.747 with
-# pointer loads; D = 256 dK/dV by programs apart (one for dV, one for dK) 3.052 / 1.663
-# against 3.729 / 2.546 for one program holding both accumulators.
+# benchmarks/tune.py (B*S = 16384 at S = 4096, causal and not; the times that decided each
+# entry are in benchmarks/NOTES.md). Head dims under 64 take the 64 entries. From D = 64
+# the streamed blocks come through tensor descriptors; the held ones too where registers
+# run out (dK/dV from D = 128, dQ at 256), and dK/dV at D = 256 runs its two sums apart.
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
@@ -113,8 +93,8 @@ _GPU_16BIT_CAUSAL = {
     # tune.py --tma-only --kernels dkdv (H200, 2026-12-03): 1.169 ms against the main
     # entry's 1.266 (non-causal 2.773 against 1.972).
     ("dkdv", 128): TileConfig(32, 64, 4, 3, tma=True),
-    # tune.py --tma-only --kernels forward,dkdv --head-dims 256 (eighth session): 1.547 ms
-    # against the main entry's 1.663.
+    # tune.py --tma-only --kernels forward,dkdv --head-dims 256: 1.547 ms against the main
+    # entry's 1.663.
     ("dkdv", 256): TileConfig(32, 128, 8, 3, tma=True, apart=True),
 }
 _GPU_32BIT_CAUSAL: dict = {}
