@@ -284,9 +284,7 @@ def dropout_seed_array(dropout_seed):
         raise ValueError("dropout_p > 0 needs dropout_seed in fa_jax: an int, a uint32 array "
                          "or a PRNG key (jax has no global random state)")
     if kind == "int":
-        seed = int(dropout_seed)
-        words = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
-        return jnp.asarray(words.view(np.int32))
+        return jnp.asarray(fa_plan.seed_words(dropout_seed), jnp.int32)
     seed = jnp.asarray(dropout_seed)
     if kind == "key":
         words = jax.random.bits(seed, (2,), jnp.uint32)

@@ -33,7 +33,7 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropou
     if dropout_p > 0:
         # Drawn here so the debug mask below is the one the kernel used.
         seed = dropout_seed_tensor(None, torch.device("cpu"))
-        seed = int(seed[0].item() & 0xFFFFFFFF) | (int(seed[1].item() & 0xFFFFFFFF) << 32)
+        seed = fa_plan.seed_from_words(*seed[:2].tolist())
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal=causal, softmax_scale=softmax_scale, bias=None,
                           alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,

@@ -339,8 +339,7 @@ def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
         halves = (halves & 0xFFFFFFFF)
         halves = torch.where(halves >= 2 ** 31, halves - 2 ** 32, halves)
     else:
-        words = [dropout_seed & 0xFFFFFFFF, dropout_seed >> 32]
-        halves = torch.tensor([w - 2 ** 32 if w >= 2 ** 31 else w for w in words])
+        halves = torch.tensor(fa_plan.seed_words(dropout_seed))
     offsets = torch.zeros(2, dtype=torch.int64)
     return torch.cat([halves.cpu(), offsets]).to(torch.int32).to(device)
 

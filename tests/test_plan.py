@@ -368,3 +368,17 @@ def test_config_override_is_scoped_and_remakes_plans():
             assert plan.backward_plan(p, capability=(9, 0)).dq.num_stages == 1
         assert plan.forward_plan(p, capability=(9, 0)).launch == inside
     assert plan.forward_plan(p, capability=(9, 0)).launch == before
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 63,
+                                  2 ** 64 - 1, 0x123456789ABCDEF0])
+def test_seed_words(seed):
+    low, high = plan.seed_words(seed)
+    assert all(-2 ** 31 <= w < 2 ** 31 for w in (low, high))
+    assert plan.seed_from_words(low, high) == seed
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64])
+def test_seed_words_refuses_out_of_range(seed):
+    with pytest.raises(ValueError, match="dropout_seed"):
+        plan.seed_words(seed)

@@ -307,6 +307,20 @@ def _check_alibi(alibi_shape, alibi_dtype, batch: int, heads_q: int) -> Shape:
     return shape
 
 
+def seed_words(seed: int) -> tuple[int, int]:
+    """A 64-bit dropout seed as the kernels read it: its low and high 32 bits, each as a
+    signed int32 (the first two words of the ``seed`` input; both front ends use this)."""
+    seed = int(seed)
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"dropout_seed must be in [0, 2**64); got {seed}")
+    return tuple(w - 2 ** 32 if w >= 2 ** 31 else w for w in (seed & 0xFFFFFFFF, seed >> 32))
+
+
+def seed_from_words(low: int, high: int) -> int:
+    """The 64-bit seed of two int32 words (``seed_words`` inverted)."""
+    return (int(low) & 0xFFFFFFFF) | ((int(high) & 0xFFFFFFFF) << 32)
+
+
 def check_dropout_p(dropout_p) -> float:
     """The dropout probability as a float in [0, 1), or an error naming it."""
     dropout_p = _real("dropout_p", dropout_p)
