@@ -382,3 +382,26 @@ def test_seed_words(seed):
 def test_seed_words_refuses_out_of_range(seed):
     with pytest.raises(ValueError, match="dropout_seed"):
         plan.seed_words(seed)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_without_descriptors_the_best_pointer_tile(head_dim, causal):
+    # A launch that cannot make tensor descriptors (tma=False: fa_jax on jax-triton 0.3.1)
+    # gets pointer loads everywhere, and the pointer table's tile where one was measured.
+    from fa_kernels import configs
+
+    shape = (2, 4096, 4, head_dim)
+    p = problem(q_shape=shape, k_shape=shape, v_shape=shape, causal=causal)
+    forward = plan.forward_plan(p, capability=(9, 0), tma=False).launch
+    backward = plan.backward_plan(p, capability=(9, 0), tma=False)
+    for launch, kernel in ((forward, "forward"), (backward.dkdv, "dkdv"), (backward.dq, "dq")):
+        assert not launch.constexprs["USE_TMA"]
+        entry = configs.table_entry(kernel, head_dim, "bfloat16", 4096, 4096, causal)
+        want = configs._GPU_16BIT_POINTER.get((kernel, head_dim), entry)
+        assert (launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"], launch.num_warps,
+                launch.num_stages) == (want.block_m, want.block_n, want.num_warps,
+                                       want.num_stages)
+    served = plan.forward_plan(p, capability=(9, 0)).launch
+    assert served.constexprs["USE_TMA"] == configs.table_entry("forward", head_dim, "bfloat16",
+                                                              4096, 4096, causal).tma

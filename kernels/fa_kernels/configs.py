@@ -99,6 +99,18 @@ _GPU_16BIT_CAUSAL = {
 }
 _GPU_32BIT_CAUSAL: dict = {}
 
+# Where an entry reads through tensor descriptors and a launch cannot make them (fa_jax
+# through jax-triton 0.3.1, which gives a kernel no global scratch), the best pointer-load
+# tile measured for that (kernel, block_d) serves instead (H200, S = 4096, ms non-causal /
+# causal, benchmarks/NOTES.md 13 and 16); other entries keep their tile. Only the tile
+# sizes per program change, never the order in which a row or a key sums: same bits.
+_GPU_16BIT_POINTER = {
+    # 1.167 / 0.675 against the descriptor entry's 1.083 / 0.633; that tile with pointer
+    # loads (4 warps issue the addresses and the matmuls) 2.390 / 1.361.
+    ("forward", 128): TileConfig(128, 64, 8, 3),
+    ("dkdv", 128): TileConfig(64, 128, 8, 2),  # 2.327 / 1.305 against 1.972 / 1.266
+}
+
 # Short sequences: entries keyed (kernel, block_d, bucket) serve problems whose longer
 # sequence falls in a bucket up to that one (the smallest such entry wins), chosen by
 # `tune.py --seqlen N`; other problems take the entries above.
@@ -239,8 +251,11 @@ def _overridden(base: TileConfig, kernel: str, block_d: int, dtype: str, gpu: bo
 
 def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
                 capability: tuple[int, int] | None, bias_item: int = 0,
-                bias_grad: bool = False, causal: bool = False) -> TileConfig:
+                bias_grad: bool = False, causal: bool = False,
+                descriptors: bool = True) -> TileConfig:
     """The config of one kernel; ``capability`` None means the CPU interpreter.
+    ``descriptors`` False: the launch cannot make tensor descriptors, so an entry that
+    reads through them gives way to the best pointer-load tile.
 
     On a GPU the tile then fits the device's shared memory: a bias (``bias_item`` bytes
     an element) and its gradient take room the table's entries did not count, and a GPU
@@ -250,6 +265,9 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
         base = _INTERPRETER
     else:
         base = table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k, causal)
+        if base.tma and not descriptors:
+            pointer = _GPU_16BIT_POINTER if dtype != "float32" else {}
+            base = pointer.get((kernel, block_d), replace(base, tma=False))
     if _OVERRIDES:
         base = _overridden(base, kernel, 0 if kernel == "preprocess" else block_d, dtype,
                            capability is not None)

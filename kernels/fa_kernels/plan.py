@@ -652,7 +652,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     packed = pack_gqa(p)
     rows, heads = (p.seqlen_q * p.group_size, p.heads_k) if packed else (p.seqlen_q, p.heads_q)
     cfg = tile_config("forward", p.block_d, p.dtype, rows, p.seqlen_k, capability,
-                      bias_item=p.bias_item, causal=p.causal)
+                      bias_item=p.bias_item, causal=p.causal, descriptors=tma is not False)
     blocks = _cdiv(rows, cfg.block_m)
     key_blocks = _cdiv(p.seqlen_k, cfg.block_n) if cfg.block_n else 0
     if num_splits is None:
@@ -776,7 +776,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
 
     bias_grad = bool(bias_grad and p.bias_shape is not None)
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
-                     bias_item=p.bias_item, causal=p.causal)
+                     bias_item=p.bias_item, causal=p.causal, descriptors=tma is not False)
     parts = 2 if (kv.apart if apart is None else apart) else 1  # dV and dK apart: two
     dkdv = Launch(
         kernel="attention_backward_dkdv",
@@ -795,7 +795,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
              else Output("dbias", (1,), "float32"))
     dbias_st = contiguous_strides(p.dbias_shape)[:3] if bias_grad else (0, 0, 0)
     qc = tile_config("dq", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
-                     bias_item=p.bias_item, bias_grad=bias_grad, causal=p.causal)
+                     bias_item=p.bias_item, bias_grad=bias_grad, causal=p.causal,
+                     descriptors=tma is not False)
     dq = Launch(
         kernel="attention_backward_dq",
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),
