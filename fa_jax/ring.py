@@ -105,63 +105,61 @@ def _grads(q, k, v, out, lse, dout, causal, scale):
     return ops.attention_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=scale)
 
 
-def _pad_rows(out, lse, rows_before):
-    """A result for the second half of the local rows, as one for all of them."""
-    out = jnp.concatenate([jnp.zeros_like(out[:, :rows_before]), out], axis=1)
-    lse = jnp.concatenate([jnp.full_like(lse[..., :rows_before], -jnp.inf), lse], axis=-1)
-    return out, lse
+def _part(x, which: str, axis: int = 1):
+    """The "all", "first" or "second" half of a slice along ``axis``."""
+    if which == "all":
+        return x
+    half = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0 if which == "first" else half,
+                                half if which == "first" else x.shape[axis], axis=axis)
 
 
-def _step_forward(q, k, v, step, source, me, causal, scale, layout):
-    """(out, lse) of the local queries against the K/V slice of device ``source``."""
-    if step == 0 or not causal:  # the own slice (causal on it in either layout), or all
-        return _attend(q, k, v, causal and step == 0, scale)
-    if layout == "contiguous":  # earlier slices fully visible, later ones not at all
-        def visible():
-            return _attend(q, k, v, False, scale)
-
-        def hidden():
-            return (jnp.zeros(q.shape, jnp.float32),
-                    jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))
-        return jax.lax.cond(source < me, visible, hidden)
-    half = q.shape[1] // 2
-
-    def earlier():  # source < me: all queries see the source's first chunk, not its second
-        return _attend(q, k[:, :half], v[:, :half], False, scale)
-
-    def later():  # source > me: only the second chunk of queries sees it, all of it
-        return _pad_rows(*_attend(q[:, half:], k, v, False, scale), half)
-    return jax.lax.cond(source < me, earlier, later)
+def _placed(x, which: str, fill, axis: int = 1):
+    """A result for half of a slice as one for all of it (``fill`` in the other half)."""
+    if which == "all":
+        return x
+    other = jnp.full_like(x, fill)
+    return jnp.concatenate([x, other] if which == "first" else [other, x], axis=axis)
 
 
-def _step_backward(q, k, v, out, lse, dout, step, source, me, causal, scale, layout):
-    """(dq, dk, dv) shares of the K/V slice of device ``source``, all fp32."""
-    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
-    if step == 0 or not causal:
-        return f32(*_grads(q, k, v, out, lse, dout, causal and step == 0, scale))
-    if layout == "contiguous":
-        def visible():
-            return f32(*_grads(q, k, v, out, lse, dout, False, scale))
+def _by_source(parts, step, source, me, compute):
+    """``compute(part)`` for the part of the source's slice this step sees (the device
+    index is traced: both sides are compiled, one runs)."""
+    own, earlier, later = parts
+    if step == 0:
+        return compute(own)
+    if earlier == later:
+        return compute(earlier)
+    return jax.lax.cond(source < me, lambda: compute(earlier), lambda: compute(later))
 
-        def hidden():
-            return f32(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
-        return jax.lax.cond(source < me, visible, hidden)
-    half = q.shape[1] // 2
 
-    def earlier():
-        dq, dk, dv = f32(*_grads(q, k[:, :half], v[:, :half], out, lse, dout, False, scale))
-        pad = jnp.zeros_like(dk)
-        return dq, jnp.concatenate([dk, pad], 1), jnp.concatenate([dv, pad], 1)
+def _step_forward(q, k, v, part, scale):
+    """(out, lse) of the local queries against the visible ``part`` of a K/V slice."""
+    if part is None:
+        return (jnp.zeros(q.shape, jnp.float32),
+                jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))
+    out, lse = _attend(_part(q, part.queries), _part(k, part.keys), _part(v, part.keys),
+                       part.causal, scale)
+    return _placed(out, part.queries, 0.0), _placed(lse, part.queries, -jnp.inf, axis=2)
 
-    def later():
-        dq, dk, dv = f32(*_grads(q[:, half:], k, v, out[:, half:], lse[..., half:],
-                                 dout[:, half:], False, scale))
-        return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
-    return jax.lax.cond(source < me, earlier, later)
+
+def _step_backward(q, k, v, out, lse, dout, part, scale):
+    """(dq, dk, dv) shares, fp32, of the visible ``part`` of a K/V slice."""
+    if part is None:
+        return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+                jnp.zeros(v.shape, jnp.float32))
+    rows, keys = part.queries, part.keys
+    dq, dk, dv = _grads(_part(q, rows), _part(k, keys), _part(v, keys), _part(out, rows),
+                        _part(lse, rows, axis=2), _part(dout, rows), part.causal, scale)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return (_placed(f32(dq), rows, 0.0), _placed(f32(dk), keys, 0.0),
+            _placed(f32(dv), keys, 0.0))
 
 
 @functools.lru_cache(maxsize=None)
 def _ring(axis_name, causal, scale, layout):
+    parts = fa_plan.ring_schedule(causal, layout)
+
     def forward(q, k, v):
         n = jax.lax.axis_size(axis_name)
         me = jax.lax.axis_index(axis_name)
@@ -171,8 +169,9 @@ def _ring(axis_name, causal, scale, layout):
         k_here, v_here = k, v
         for step in range(n):
             source = (me - step) % n
-            out, lse = _merge(out, lse, *_step_forward(q, k_here, v_here, step, source, me,
-                                                       causal, scale, layout))
+            out, lse = _merge(out, lse, *_by_source(
+                parts, step, source, me, lambda part: _step_forward(q, k_here, v_here, part,
+                                                                    scale)))
             if step < n - 1:
                 k_here, v_here = jax.lax.ppermute((k_here, v_here), axis_name, to_next)
         return out.astype(q.dtype), lse
@@ -195,8 +194,9 @@ def _ring(axis_name, causal, scale, layout):
         k_here, v_here = k, v
         for step in range(n):
             source = (me - step) % n
-            dq_s, dk_s, dv_s = _step_backward(q, k_here, v_here, out, lse, dout, step, source,
-                                              me, causal, scale, layout)
+            dq_s, dk_s, dv_s = _by_source(
+                parts, step, source, me,
+                lambda part: _step_backward(q, k_here, v_here, out, lse, dout, part, scale))
             dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
             # dk, dv travel with their K/V slice; the last hop takes them home.
             if step < n - 1:

@@ -117,42 +117,48 @@ def _merge(out, lse, out_b, lse_b):
     return out * wa.transpose(1, 2)[..., None] + out_b * wb.transpose(1, 2)[..., None], new
 
 
-def _step_forward(q, k, v, step, source, me, causal, scale, layout):
-    """(out, lse) of the local queries against the K/V slice of rank ``source``, or None
-    when none of it is visible."""
-    if step == 0 or not causal:
-        return _attend(q, k, v, causal and step == 0, scale)
-    if layout == "contiguous":
-        return _attend(q, k, v, False, scale) if source < me else None
-    half = q.shape[1] // 2
-    if source < me:  # every local query sees the source's first chunk, none its second
-        return _attend(q, k[:, :half], v[:, :half], False, scale)
-    out, lse = _attend(q[:, half:], k, v, False, scale)  # only the second query chunk
-    out = torch.cat([torch.zeros_like(out[:, :half]), out], dim=1)
-    lse = torch.cat([torch.full_like(lse[..., :half], float("-inf")), lse], dim=-1)
-    return out, lse
+def _part(x, which: str, dim: int = 1):
+    """The "all", "first" or "second" half of a slice along ``dim``."""
+    if which == "all":
+        return x
+    first, second = x.chunk(2, dim=dim)
+    return (first if which == "first" else second).contiguous()
 
 
-def _step_backward(q, k, v, out, lse, dout, step, source, me, causal, scale, layout):
-    """(dq, dk, dv) shares of the K/V slice of rank ``source`` (fp32), or None."""
-    if step == 0 or not causal:
-        return _grads(q, k, v, out, lse, dout, causal and step == 0, scale)
-    if layout == "contiguous":
-        return _grads(q, k, v, out, lse, dout, False, scale) if source < me else None
-    half = q.shape[1] // 2
-    if source < me:
-        dq, dk, dv = _grads(q, k[:, :half], v[:, :half], out, lse, dout, False, scale)
-        pad = torch.zeros_like(dk)
-        return dq, torch.cat([dk, pad], 1), torch.cat([dv, pad], 1)
-    dq, dk, dv = _grads(q[:, half:], k, v, out[:, half:], lse[..., half:].contiguous(),
-                        dout[:, half:], False, scale)
-    return torch.cat([torch.zeros_like(dq), dq], 1), dk, dv
+def _placed(x, which: str, fill, dim: int = 1):
+    """A result for half of a slice as one for all of it (``fill`` in the other half)."""
+    if which == "all":
+        return x
+    other = torch.full_like(x, fill)
+    return torch.cat([x, other] if which == "first" else [other, x], dim=dim)
+
+
+def _visible(parts, step, source, me):
+    """The part of the source's K/V slice this step sees (None: nothing)."""
+    own, earlier, later = parts
+    return own if step == 0 else earlier if source < me else later
+
+
+def _step_forward(q, k, v, part, scale):
+    """(out, lse) of the local queries against the visible ``part`` of a K/V slice."""
+    out, lse = _attend(_part(q, part.queries), _part(k, part.keys), _part(v, part.keys),
+                       part.causal, scale)
+    return _placed(out, part.queries, 0.0), _placed(lse, part.queries, float("-inf"), dim=2)
+
+
+def _step_backward(q, k, v, out, lse, dout, part, scale):
+    """(dq, dk, dv) shares, fp32, of the visible ``part`` of a K/V slice."""
+    rows, keys = part.queries, part.keys
+    dq, dk, dv = _grads(_part(q, rows), _part(k, keys), _part(v, keys), _part(out, rows),
+                        _part(lse, rows, dim=2), _part(dout, rows), part.causal, scale)
+    return _placed(dq, rows, 0.0), _placed(dk, keys, 0.0), _placed(dv, keys, 0.0)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, layout):
         ring = _Ring(group)
+        parts = fa_plan.ring_schedule(causal, layout)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
                          dtype=torch.float32, device=q.device)
@@ -160,21 +166,21 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             hop = ring.start_hop([k_here, v_here]) if step < ring.size - 1 else None
             source = (ring.rank - step) % ring.size
-            part = _step_forward(q, k_here, v_here, step, source, ring.rank, causal, scale, layout)
+            part = _visible(parts, step, source, ring.rank)
             if part is not None:
-                out, lse = _merge(out, lse, *part)
+                out, lse = _merge(out, lse, *_step_forward(q, k_here, v_here, part, scale))
             if hop is not None:
                 ring.finish_hop(hop[0])
                 k_here, v_here = hop[1]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring_options = (group, causal, scale, layout)
+        ctx.ring_options = (group, parts, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, layout = ctx.ring_options
+        group, parts, scale = ctx.ring_options
         ring = _Ring(group)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -183,9 +189,9 @@ class _RingAttention(torch.autograd.Function):
         k_here, v_here = k, v
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
-            shares = _step_backward(q, k_here, v_here, out, lse, dout, step, source, ring.rank,
-                                    causal, scale, layout)
-            if shares is not None:
+            part = _visible(parts, step, source, ring.rank)
+            if part is not None:
+                shares = _step_backward(q, k_here, v_here, out, lse, dout, part, scale)
                 dq += shares[0]
                 dk += shares[1]
                 dv += shares[2]

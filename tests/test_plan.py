@@ -405,3 +405,36 @@ def test_without_descriptors_the_best_pointer_tile(head_dim, causal):
     served = plan.forward_plan(p, capability=(9, 0)).launch
     assert served.constexprs["USE_TMA"] == configs.table_entry("forward", head_dim, "bfloat16",
                                                               4096, 4096, causal).tma
+
+
+@pytest.mark.parametrize("layout", plan.RING_LAYOUTS)
+@pytest.mark.parametrize("devices", [2, 3, 4])
+def test_ring_schedule_sees_what_the_causal_mask_shows(layout, devices):
+    # Each device's slice in chunks of its layout, their global positions, and the causal
+    # mask between them: a part of the schedule must cover exactly the visible pairs.
+    chunks_per_device = 2 if layout == "zigzag" else 1
+    chunk = 4
+
+    def positions(device):
+        if layout == "contiguous":
+            ids = [device]
+        else:
+            ids = [device, 2 * devices - 1 - device]
+        return [c * chunk + i for c in ids for i in range(chunk)]
+
+    def rows(which, n):
+        return {"all": range(n), "first": range(n // 2), "second": range(n // 2, n)}[which]
+
+    own, earlier, later = plan.ring_schedule(True, layout)
+    n = chunk * chunks_per_device
+    for me, source in itertools.product(range(devices), repeat=2):
+        part = own if me == source else earlier if source < me else later
+        q_pos, k_pos = positions(me), positions(source)
+        visible = {(i, j) for i in range(n) for j in range(n) if k_pos[j] <= q_pos[i]}
+        if part is None:
+            assert not visible, (me, source)
+            continue
+        covered = {(i, j) for i in rows(part.queries, n) for j in rows(part.keys, n)
+                   if not part.causal or j <= i}
+        assert covered == visible, (me, source, part)
+    assert plan.ring_schedule(False, layout) == (plan.RingPart(),) * 3

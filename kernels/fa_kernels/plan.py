@@ -472,6 +472,31 @@ def check_ring(q_shape: Shape, k_shape: Shape, v_shape: Shape, causal, layout: s
     return causal, scale, layout if causal else "contiguous"
 
 
+@dataclass(frozen=True)
+class RingPart:
+    """What the local queries compute against one K/V slice at a ring step: the part of
+    the local queries and of the slice's keys taking part ("all", or the "first" or
+    "second" half of the slice: zigzag's two chunks) and whether the causal mask applies
+    (only to a device's own slice: elsewhere a part is all visible or not computed)."""
+    queries: str = "all"
+    keys: str = "all"
+    causal: bool = False
+
+
+def ring_schedule(causal: bool, layout: str) -> tuple:
+    """(own, earlier, later): the ``RingPart`` of a K/V slice the local queries see, when
+    the slice is this device's own, an earlier device's or a later one's; None: none of
+    it (that step computes nothing). Both ring front ends step through this."""
+    if not causal:
+        return RingPart(), RingPart(), RingPart()
+    if layout == "contiguous":
+        return RingPart(causal=True), RingPart(), None
+    # zigzag: device i holds chunks i and 2n-1-i. Of an earlier device j < i, chunk j
+    # precedes both local chunks and chunk 2n-1-j follows both; both chunks of a later
+    # device lie after the local first chunk and before the local second.
+    return RingPart(causal=True), RingPart(keys="first"), RingPart(queries="second")
+
+
 def contiguous_strides(shape: Shape) -> Shape:
     """Row-major element strides of a shape (what jax arrays and new outputs have)."""
     strides, step = [], 1
