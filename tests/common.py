@@ -123,6 +123,9 @@ def run_jax(q, k, v, dout, bias=None, alibi_slopes=None, **options):
     return from_numpy(out), from_numpy(lse), [from_numpy(g) for g in grads]
 
 
+RUNNERS = {"torch": run_torch, "jax": run_jax}  # the `run` fixture (conftest.py)
+
+
 def launch_arrays(q, k, v, **given):
     """The arrays a plan's launches read, by name: q, k, v, what is ``given``, and None
     for the optional inputs not given (bias, slopes, seed, cu_seqlens_*)."""

@@ -18,3 +18,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "large" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["torch", "jax"])
+def front(request):
+    """A test that takes ``front`` runs once per front end ("torch", "jax")."""
+    return request.param
+
+
+@pytest.fixture
+def run(front):
+    """That front end's runner: ``run(q, k, v, dout, **options)`` -> out, lse, grads."""
+    from .common import RUNNERS
+
+    return RUNNERS[front]

@@ -7,10 +7,8 @@ import torch
 from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
-                     forward_plan_torch, launch_arrays, random_qkv, replace_entries, run_jax,
-                     run_torch)
+                     forward_plan_torch, launch_arrays, random_qkv, replace_entries)
 
-RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
 
 
@@ -26,22 +24,20 @@ CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, caus
 }
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("case", CASES)
-def test_apart_against_reference(apart_table, front, case):
+def test_apart_against_reference(apart_table, run, case):
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, causal = CASES[case]
     problem = fa_plan.check_problem((batch, seqlen_q, heads_q, head_dim),
                                     (batch, seqlen_k, heads_k, head_dim),
                                     (batch, seqlen_k, heads_k, head_dim), dtype, dtype, dtype,
                                     causal=causal)
     assert fa_plan.backward_plan(problem, capability=CAPABILITY).dkdv.constexprs["DKDV_PARTS"] == 2
-    check_against_reference(RUNNERS[front], batch, seqlen_q, seqlen_k, heads_q, heads_k,
+    check_against_reference(run, batch, seqlen_q, seqlen_k, heads_q, heads_k,
                             head_dim, dtype, causal)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
-def test_apart_with_every_option(apart_table, front):
-    check_with_every_option(RUNNERS[front], 2, 45, 120, 4, 2, 64, "bfloat16", seed=5,
+def test_apart_with_every_option(apart_table, run):
+    check_with_every_option(run, 2, 45, 120, 4, 2, 64, "bfloat16", seed=5,
                             window_left=60, softcap=5.0, dropout_p=0.2)
 
 

@@ -8,8 +8,6 @@ import torch
 from .common import DEVICE, ON_GPU, random_qkv, run_jax, run_torch, to_numpy
 from .reference import varlen_reference
 
-RUNNERS = {"torch": run_torch, "jax": run_jax}
-
 
 def _varlen(front, q, k, v, cu_q, cu_k, max_q, max_k, **options):
     if front == "torch":
@@ -23,7 +21,6 @@ def _varlen(front, q, k, v, cu_q, cu_k, max_q, max_k, **options):
     return torch.from_numpy(np.asarray(out).copy())
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("side", ["q", "k"])
 def test_max_seqlen_shorter_than_a_sequence_is_an_error(front, side):
     q, k, v = (x[0] for x in random_qkv(1, 28, 28, 2, 2, 16, "float32"))
@@ -37,7 +34,6 @@ def test_max_seqlen_shorter_than_a_sequence_is_an_error(front, side):
         _varlen(front, q, k, v, cu.to(q.device), cu.to(q.device), max_q, max_k)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 def test_max_seqlen_above_the_token_count_is_an_error(front):
     q, k, v = (x[0] for x in random_qkv(1, 8, 8, 1, 1, 16, "float32"))
     cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=q.device)
@@ -101,19 +97,18 @@ def test_non_contiguous_cu_seqlens_and_slopes():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("window,same_as", [((2 ** 63, 0), dict(causal=True)),
                                             ((2 ** 64 - 1, -1), {}),
                                             ((2 ** 64, 2 ** 64), {}),
                                             ((3, 2 ** 70), dict(window_size=(3, -1)))],
                          ids=str)
-def test_huge_windows_bound_nothing(front, window, same_as):
+def test_huge_windows_bound_nothing(run, window, same_as):
     """A window side as wide as the sequence is no bound at all: the same answer as
     without it, and never a read outside the arrays (the H200 faulted on 2**63)."""
     q, k, v = random_qkv(1, 20, 24, 2, 1, 16, "float32")
     dout = torch.randn_like(q)
-    out, lse, grads = RUNNERS[front](q, k, v, dout, window_size=window)
-    want_out, want_lse, want_grads = RUNNERS[front](q, k, v, dout, **same_as)
+    out, lse, grads = run(q, k, v, dout, window_size=window)
+    want_out, want_lse, want_grads = run(q, k, v, dout, **same_as)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     for g, w in zip(grads, want_grads):
         assert torch.equal(g, w)
@@ -132,11 +127,10 @@ def test_subnormal_scale_is_zero_in_both_front_ends():
     torch.testing.assert_close(t_out[0, 0], v[0].mean(0))
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("seqlens", [(239, 1), (1, 239)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_head_dim_256_causal_short(front, seqlens):
+def test_head_dim_256_causal_short(run, seqlens):
     """flash-attn's test_flash_attn_causal[1-239-True-256-...]: the table's D = 256 entry
     once crashed ptxas at seqlen_k = 1 (fa_kernels.offline compiles it on the CPU)."""
     from .common import check_against_reference
 
-    check_against_reference(RUNNERS[front], 2, *seqlens, 2, 2, 256, "bfloat16", True)
+    check_against_reference(run, 2, *seqlens, 2, 2, 256, "bfloat16", True)

@@ -14,27 +14,23 @@ from fa_kernels import plan as fa_plan
 
 from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_reference,
                      check_with_every_option, forward_plan_jax, forward_plan_torch, from_numpy,
-                     launch_arrays, random_qkv, reference_grads, run_jax, run_torch, to_numpy)
-
-RUNNERS = {"torch": run_torch, "jax": run_jax}
+                     launch_arrays, random_qkv, reference_grads, to_numpy)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("seqlen_q, heads_q, heads_k", [(1, 8, 2), (5, 6, 2), (1, 4, 4),
                                                         (3, 4, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128] if ON_GPU else [64])  # 128: a tuned few-rows entry
-def test_decode_against_reference(front, seqlen_q, heads_q, heads_k, causal, head_dim):
+def test_decode_against_reference(run, seqlen_q, heads_q, heads_k, causal, head_dim):
     # On the GPU, 2 x heads_k programs over 4000 keys leave the SMs idle: split-KV.
     seqlen_k = 4000 if ON_GPU else 150
-    check_against_reference(RUNNERS[front], 2, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
+    check_against_reference(run, 2, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
                             "bfloat16", causal)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
-def test_decode_with_every_option(front):
+def test_decode_with_every_option(run):
     seqlen_k = 3000 if ON_GPU else 140
-    check_with_every_option(RUNNERS[front], 2, 3, seqlen_k, 8, 2, 40, "float16", seed=5,
+    check_with_every_option(run, 2, 3, seqlen_k, 8, 2, 40, "float16", seed=5,
                             window_left=100, softcap=4.0, dropout_p=0.2)
 
 
@@ -125,8 +121,7 @@ def test_split_kv_varlen():
     assert torch.equal(out[int(cu_q[3]):].cpu(), torch.zeros_like(out[int(cu_q[3]):].cpu()))
 
 
-@pytest.mark.parametrize("front", RUNNERS)
-def test_split_kv_chosen_by_the_plan_with_every_option(front, monkeypatch):
+def test_split_kv_chosen_by_the_plan_with_every_option(run, monkeypatch):
     # The interpreter never splits by itself; as a 132-SM GPU would, the plan splits this
     # small grid (2 x 2 programs over 300 keys), and forward and backward stay right.
     from fa_jax import _launch as jax_launch
@@ -137,5 +132,5 @@ def test_split_kv_chosen_by_the_plan_with_every_option(front, monkeypatch):
     problem = fa_plan.check_problem((2, 5, 4, 40), (2, 300, 2, 40), (2, 300, 2, 40),
                                     "bfloat16", "bfloat16", "bfloat16")
     assert fa_plan.forward_plan(problem, capability=None, num_sms=132).num_splits > 1
-    check_with_every_option(RUNNERS[front], 2, 5, 300, 4, 2, 40, "bfloat16", seed=21,
+    check_with_every_option(run, 2, 5, 300, 4, 2, 40, "bfloat16", seed=21,
                             window_left=200, softcap=3.0, dropout_p=0.25)

@@ -7,67 +7,58 @@ import torch
 from .common import (DEVICE, ON_GPU, check_against_reference, check_with_every_option,
                      keep_mask, random_qkv, run_jax, run_torch)
 
-RUNNERS = {"torch": run_torch, "jax": run_jax}
 
-
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("window_size,causal", [((8, 0), False), ((-1, 5), False),
                                                 ((16, 16), False), ((0, 0), False),
                                                 ((10, -1), True), ((40, 3), False)])
 @pytest.mark.parametrize("seqlens", [(97, 97), (64, 130), (130, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_sliding_window(front, window_size, causal, seqlens):
-    check_against_reference(RUNNERS[front], 2, *seqlens, 4, 2, 32, "bfloat16", causal,
+def test_sliding_window(run, window_size, causal, seqlens):
+    check_against_reference(run, 2, *seqlens, 4, 2, 32, "bfloat16", causal,
                             window_size=window_size)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_softcap(front, dtype, causal):
-    check_against_reference(RUNNERS[front], 2, 70, 83, 2, 2, 64, dtype, causal, softcap=2.0,
+def test_softcap(run, dtype, causal):
+    check_against_reference(run, 2, 70, 83, 2, 2, 64, dtype, causal, softcap=2.0,
                             softmax_scale=0.5)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("per_batch", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_alibi(front, per_batch, causal):
+def test_alibi(run, per_batch, causal):
     gen = torch.Generator().manual_seed(5)
     shape = (2, 4) if per_batch else (4,)
     slopes = (torch.rand(shape, generator=gen) * 0.5).to(DEVICE)
-    check_against_reference(RUNNERS[front], 2, 90, 70, 4, 1, 40, "float16", causal,
+    check_against_reference(run, 2, 90, 70, 4, 1, 40, "float16", causal,
                             alibi_slopes=slopes)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("bias_shape", [(2, 4, 65, 77), (1, 4, 65, 77), (65, 77), (2, 1, 1, 77),
                                         (4, 1, 77)], ids=str)
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_bias_and_its_gradient(front, bias_shape, dtype):
-    check_against_reference(RUNNERS[front], 2, 65, 77, 4, 2, 32, dtype, True,
+def test_bias_and_its_gradient(run, bias_shape, dtype):
+    check_against_reference(run, 2, 65, 77, 4, 2, 32, dtype, True,
                             bias_shape=bias_shape)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dropout_against_reference_with_the_kernels_mask(front, dtype, causal):
-    check_against_reference(RUNNERS[front], 2, 70, 90, 4, 2, 32, dtype, causal,
+def test_dropout_against_reference_with_the_kernels_mask(run, dtype, causal):
+    check_against_reference(run, 2, 70, 90, 4, 2, 32, dtype, causal,
                             dropout_p=0.3, dropout_seed=1234)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
-def test_bias_gradient_at_head_dim_256(front):
+def test_bias_gradient_at_head_dim_256(run):
     # The table's D = 256 dQ tile (three stages) with bias tiles passes the H200's shared
     # memory: the plan takes a stage off (test_plan), and the launch runs.
     seqlen = 300 if ON_GPU else 40
-    check_against_reference(RUNNERS[front], 1, seqlen, seqlen, 2, 2, 256, "bfloat16", False,
+    check_against_reference(run, 1, seqlen, seqlen, 2, 2, 256, "bfloat16", False,
                             bias_shape=(1, 2, seqlen, seqlen))
 
 
-@pytest.mark.parametrize("front", RUNNERS)
-def test_everything_combined(front):
-    check_with_every_option(RUNNERS[front], 2, 100, 120, 6, 2, 48, "bfloat16", seed=77,
+def test_everything_combined(run):
+    check_with_every_option(run, 2, 100, 120, 6, 2, 48, "bfloat16", seed=77,
                             window_left=30, softcap=5.0, dropout_p=0.2, bias_batch=1)
 
 
@@ -131,11 +122,10 @@ def test_jax_seed_forms():
         fa_jax.attention(q, k, v, dropout_p=0.5)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
-def test_sliding_window_skips_blocks(front):
+def test_sliding_window_skips_blocks(run):
     # A window of (0, 0) sees only the diagonal: every row sees exactly one key.
     q, k, v = random_qkv(1, 200, 200, 1, 1, 16, "float32")
-    out, lse, _ = RUNNERS[front](q, k, v, torch.zeros_like(q), window_size=(0, 0))
+    out, lse, _ = run(q, k, v, torch.zeros_like(q), window_size=(0, 0))
     scores = (q[0, :, 0] * k[0, :, 0]).sum(-1).double().cpu() * 16 ** -0.5
     np.testing.assert_allclose(lse[0, 0].double().cpu().numpy(), scores.numpy(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.cpu(), v.cpu())

@@ -7,7 +7,6 @@ import torch
 
 from .common import DEVICE, TORCH_DTYPES, check_against_reference, run_jax, run_torch
 
-RUNNERS = {"torch": run_torch, "jax": run_jax}
 MASK_VALUES = {"finfo.min": None, "-1e4": -1e4, "-1e9": -1e9, "-1e30": -1e30, "-inf": float("-inf")}
 
 
@@ -33,21 +32,19 @@ SHAPES = [("float16", (33, 20)), ("bfloat16", (33, 20)), ("float32", (33, 20)),
           ("float32", (16, 16))]
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("value", MASK_VALUES, ids=str)
 @pytest.mark.parametrize("dtype,seqlens", SHAPES, ids=[f"{d}-{s[0]}x{s[1]}" for d, s in SHAPES])
-def test_masked_rows_against_reference(front, dtype, value, seqlens):
+def test_masked_rows_against_reference(run, dtype, value, seqlens):
     """Fully masked rows by a finite bias attend uniformly (every framework's softmax of
     equal logits); by -inf they see no key (zeros, LSE -inf, no gradient)."""
     seqlen_q, seqlen_k = seqlens
     bias = masked_bias(2, 2, seqlen_q, seqlen_k, dtype, MASK_VALUES[value])
-    check_against_reference(RUNNERS[front], 2, seqlen_q, seqlen_k, 2, 1, 16, dtype, False,
+    check_against_reference(run, 2, seqlen_q, seqlen_k, 2, 1, 16, dtype, False,
                             bias_values=bias)
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("value", [-1e30, float(torch.finfo(torch.float32).min)], ids=str)
-def test_finite_mask_on_every_key_gives_uniform_rows(front, value):
+def test_finite_mask_on_every_key_gives_uniform_rows(run, value):
     """The exact case: fp32, every key of rows 0-2 masked. Probabilities 1/S, so the
     output is the mean of V, the LSE is the bias + log S, and dV gets dO / S from them."""
     seqlen = 32
@@ -56,7 +53,7 @@ def test_finite_mask_on_every_key_gives_uniform_rows(front, value):
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, seqlen, 1, 16, generator=gen) for _ in range(4))
     dout[:, 3:] = 0  # only the masked rows send a gradient
-    out, lse, (dq, dk, dv, _) = RUNNERS[front](q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+    out, lse, (dq, dk, dv, _) = run(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
                                                dout.to(DEVICE), bias=bias.to(DEVICE))
     out, lse, dq, dk, dv = (x.cpu() for x in (out, lse, dq, dk, dv))
     torch.testing.assert_close(out[0, :3], v[0].mean(0).expand(3, 1, 16), rtol=1e-5, atol=1e-5)
@@ -67,16 +64,15 @@ def test_finite_mask_on_every_key_gives_uniform_rows(front, value):
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
 
 
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("seqlen", [8, 16, 17, 32])
-def test_minus_inf_on_every_key_is_zero_not_nan(front, seqlen):
+def test_minus_inf_on_every_key_is_zero_not_nan(run, seqlen):
     """-inf on every key of a row: output 0, LSE -inf, zero gradients, at lengths that
     fill whole blocks (no masked block) and at lengths that do not."""
     bias = torch.zeros(1, 2, seqlen, seqlen)
     bias[:, :, :3] = float("-inf")
     gen = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(1, seqlen, 2, 16, generator=gen).to(DEVICE) for _ in range(4))
-    out, lse, (dq, dk, dv, dbias) = RUNNERS[front](q, k, v, dout, bias=bias.to(DEVICE))
+    out, lse, (dq, dk, dv, dbias) = run(q, k, v, dout, bias=bias.to(DEVICE))
     assert torch.equal(out[:, :3].cpu(), torch.zeros(1, 3, 2, 16))
     assert torch.isneginf(lse[:, :, :3].cpu()).all()
     assert torch.equal(dq[:, :3].cpu(), torch.zeros(1, 3, 2, 16))
@@ -85,14 +81,13 @@ def test_minus_inf_on_every_key_is_zero_not_nan(front, seqlen):
         assert not torch.isnan(x).any()
 
 
-@pytest.mark.parametrize("front", RUNNERS)
-def test_nan_input_gives_nan_lse(front):
+def test_nan_input_gives_nan_lse(run):
     """A NaN in a row's inputs makes its output and its LSE NaN: -inf would claim that the
     row saw no key."""
     gen = torch.Generator().manual_seed(2)
     q, k, v, dout = (torch.randn(1, 8, 1, 16, generator=gen) for _ in range(4))
     q[0, 2, 0, 0] = float("nan")
-    out, lse, _ = RUNNERS[front](q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), dout.to(DEVICE))
+    out, lse, _ = run(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), dout.to(DEVICE))
     assert torch.isnan(lse[0, 0, 2]).item() and torch.isnan(out[0, 2]).all()
     assert torch.isfinite(lse[0, 0, torch.arange(8) != 2]).all()
 

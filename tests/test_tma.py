@@ -14,7 +14,6 @@ from .common import (DEVICE, ON_GPU, assert_close_to_reference, check_against_re
                      check_with_every_option, forward_plan_jax, forward_plan_torch,
                      launch_arrays, random_qkv, replace_entries, run_jax, run_torch)
 
-RUNNERS = {"torch": run_torch, "jax": run_jax}
 CAPABILITY = torch.cuda.get_device_capability() if ON_GPU else None
 HOPPER = CAPABILITY is None or CAPABILITY >= (9, 0)
 
@@ -36,9 +35,8 @@ CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, caus
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("case", CASES)
-def test_descriptor_forward_against_reference(descriptor_table, front, case):
+def test_descriptor_forward_against_reference(descriptor_table, run, case):
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, causal, options = CASES[case]
     if ON_GPU:  # GPU-sized keys, so that the unmasked loop runs many blocks
         seqlen_k *= 8
@@ -48,20 +46,18 @@ def test_descriptor_forward_against_reference(descriptor_table, front, case):
     assert fa_plan.forward_plan(problem, capability=CAPABILITY).launch.constexprs["USE_TMA"]
     bwd = fa_plan.backward_plan(problem, capability=CAPABILITY)
     assert bwd.dkdv.constexprs["USE_TMA"] and bwd.dq.constexprs["USE_TMA"]
-    check_against_reference(RUNNERS[front], batch, seqlen_q, seqlen_k, heads_q, heads_k,
+    check_against_reference(run, batch, seqlen_q, seqlen_k, heads_q, heads_k,
                             head_dim, dtype, causal, **options)
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
-@pytest.mark.parametrize("front", RUNNERS)
-def test_descriptor_forward_with_every_option(descriptor_table, front):
+def test_descriptor_forward_with_every_option(descriptor_table, run):
     seqlen_k = 700 if ON_GPU else 120
-    check_with_every_option(RUNNERS[front], 2, 45, seqlen_k, 4, 2, 64, "bfloat16", seed=9,
+    check_with_every_option(run, 2, 45, seqlen_k, 4, 2, 64, "bfloat16", seed=9,
                             window_left=200, softcap=5.0, dropout_p=0.15)
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
-@pytest.mark.parametrize("front", RUNNERS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_descriptor_varlen_with_an_empty_sequence(descriptor_table, front, causal):
     # Every kernel through descriptors on a packed batch with an empty sequence: a

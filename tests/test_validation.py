@@ -173,7 +173,6 @@ def test_scalar_like_options_are_taken(front):
     assert tuple(FRONTS[front](empty, empty, empty).shape) == (0, 8, 2, 16)
 
 
-
 def _option_value(value):
     made = {"bias_bad": lambda: torch.zeros(3, 8), "bias_int": lambda: torch.zeros(1, 8, dtype=torch.int32),
             "alibi_bad": lambda: torch.zeros(3), "alibi_half": lambda: torch.zeros(2).half()}
@@ -209,7 +208,6 @@ VARLEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("front", ["torch", "jax"])
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
 def test_bad_varlen(front, case):
     _, make, error, message = case
@@ -312,7 +310,6 @@ def test_torch_ring_options():
         fa_torch.ring.ring_attention(q, q, q, softmax_scale="abc")
 
 
-@pytest.mark.parametrize("front", ["torch", "jax"])
 @pytest.mark.parametrize("mode", ["forward", "forward+backward", "dropout, jitted"])
 def test_one_validation_per_call(monkeypatch, front, mode):
     # A call is validated once; every later step (plans, shards, vmap, the backward)

@@ -57,7 +57,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("front", ["torch", "jax"])
 @pytest.mark.parametrize("lengths", CASES, ids=["with_empty", "uneven", "single"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -75,7 +74,6 @@ def test_varlen_against_reference(front, lengths, causal, dtype):
         assert_close_to_reference(name, g, t, f, dtype, factor=3.0)
 
 
-@pytest.mark.parametrize("front", ["torch", "jax"])
 def test_varlen_with_window_alibi_dropout(front):
     lengths = [30, 0, 50]
     q, k, v, cu_q, cu_k, dout = packed(lengths, lengths, 2, 1, 32, "float16", seed=2)
@@ -108,7 +106,6 @@ def test_varlen_parity_and_padded_equivalence():
     torch.testing.assert_close(alone[0], t_out[20:].to(alone.device), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("front", ["torch", "jax"])
 def test_deterministic_backward_with_gqa_and_varlen(front):
     # No atomics: the same bits every run (100 runs on the GPU, a few in the interpreter).
     from .common import ON_GPU
