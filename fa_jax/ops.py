@@ -186,28 +186,27 @@ def _call_op(kind: str, whole: fa_plan.AttentionProblem, args):
     return tuple(_partitioned_op(kind, whole, signature)(*operands))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=2048)
+def _op(kind: str, problem: fa_plan.AttentionProblem):
+    """The forward or backward of one problem as a function of its arrays (OPERANDS[kind]),
+    with its own vmap rule."""
+
+    @jax.custom_batching.custom_vmap
+    def op(*args):
+        return _call_op(kind, problem, args)
+
+    op.def_vmap(_batch_rule(op, _kinds(OPERANDS[kind], problem), problem))
+    return op
+
+
 def forward_op(problem: fa_plan.AttentionProblem):
     """(q, k, v, bias, slopes, seed, cu_seqlens_q, cu_seqlens_k) -> (out, lse, lse_lo)."""
-
-    @jax.custom_batching.custom_vmap
-    def forward(*args):
-        return _call_op("forward", problem, args)
-
-    forward.def_vmap(_batch_rule(forward, _kinds(ARRAY_NAMES, problem), problem))
-    return forward
+    return _op("forward", problem)
 
 
-@functools.lru_cache(maxsize=1024)
 def backward_op(problem: fa_plan.AttentionProblem):
     """(... the forward's arrays, out, lse, lse_lo, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
-
-    @jax.custom_batching.custom_vmap
-    def backward(*args):
-        return _call_op("backward", problem, args)
-
-    backward.def_vmap(_batch_rule(backward, _kinds(BACKWARD_NAMES, problem), problem))
-    return backward
+    return _op("backward", problem)
 
 
 def _zero_cotangent(x):
