@@ -1,4 +1,5 @@
-"""Four fixes to Triton 3.6's interpreter so the CPU path computes (and fails) as the GPU does.
+"""Five fixes to Triton's interpreter (3.6 to 3.9) so the CPU path computes (and fails) as
+the GPU does.
 
 Applied once, only when the kernels run interpreted (``TRITON_INTERPRET=1``). The
 interpreter keeps bf16 tensors as raw uint16 bit patterns:
@@ -16,6 +17,11 @@ interpreter keeps bf16 tensors as raw uint16 bit patterns:
   or query loop) converts through ``int()`` of the interpreter's 1-element array, which
   numpy >= 2.4 refuses (triton#9171). We convert through ``.item()``, which every numpy
   takes.
+
+* Triton 3.9: ``constexpr * tensor`` (``LOG2E * x``) gave a constexpr wrapping the
+  tensor, which ``tl`` functions refuse; we return the tensor. The load through a
+  descriptor also lost its ``eviction_policy`` argument there; the check above takes
+  either signature.
 
 Elementwise bf16 arithmetic and reductions are also wrong in the interpreter, which
 is why the kernels do all elementwise math in fp32 (as they should anyway).
@@ -77,12 +83,12 @@ def apply() -> None:
 
     original_descriptor_load = builder_cls.create_descriptor_load
 
-    def create_descriptor_load(self, desc, indices, cache_modifier, eviction_policy):
+    def create_descriptor_load(self, desc, indices, *cache_options):
         sizes = [int(np.asarray(dim.data).item()) for dim in desc.shape]
         if 0 in sizes:
             raise RuntimeError(f"load through a tensor descriptor of shape {sizes}: TMA "
                                "faults on a zero-size dimension")
-        return original_descriptor_load(self, desc, indices, cache_modifier, eviction_policy)
+        return original_descriptor_load(self, desc, indices, *cache_options)
 
     original_patch_tensor = interp._patch_lang_tensor
 
@@ -91,6 +97,7 @@ def apply() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interp._patch_lang_tensor = patch_lang_tensor
+    _unwrap_constexpr_arithmetic(tl)
     builder_cls.create_dot = create_dot
     builder_cls.create_descriptor_load = create_descriptor_load
     builder_cls.cast_impl = cast_impl
@@ -98,6 +105,26 @@ def apply() -> None:
     builder_cls.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     builder_cls.create_fp_to_fp = create_fp_to_fp
     _applied = True
+
+
+def _unwrap_constexpr_arithmetic(tl) -> None:
+    """``constexpr op tensor`` gives the tensor, as the compiler's code generator does.
+
+    Triton 3.9's interpreter keeps a module-level ``tl.constexpr`` (``LOG2E``) a constexpr
+    inside the kernel, and its operators wrap whatever they compute, so ``LOG2E * x``
+    became a constexpr holding a tensor, which every ``tl`` function then refused."""
+    for name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                 "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+                 "__rmod__", "__pow__", "__rpow__"):
+        original = getattr(tl.constexpr, name, None)
+        if original is None:
+            continue
+
+        def operator(self, other, original=original):
+            result = original(self, other)
+            return result.value if isinstance(result.value, tl.tensor) else result
+
+        setattr(tl.constexpr, name, operator)
 
 
 class HostArray:
