@@ -5,9 +5,11 @@
   ``triton_kernel_call`` on XLA's stream. jax_triton marks no scalar argument divisible
   by 16 where Triton's JIT (fa_torch) does; the kernels carry that knowledge themselves
   (``fa_kernels.helpers.kernel`` and ``aligned``), so both front ends compile the same
-  PTX and get the same bits. jax-triton 0.3.1 gives a kernel no global scratch, so no
-  tensor descriptors built on the device: ``DESCRIPTORS`` (the plan then reads the same
-  tiles through plain pointers: same arithmetic, same bits).
+  PTX and get the same bits. What differs between jax-triton releases is in
+  ``jax_triton_release`` alone: 0.4.x (Triton >= 3.7) gives a kernel the global scratch
+  that tensor descriptors built on the device need, so the plan's table is used as is;
+  0.3.1 (Triton 3.6) does not, and the plan picks the best tiles read through plain
+  pointers (``plan_options``).
 * CPU: the same kernel in Triton's interpreter, as an XLA FFI call (``fa_jax_interpret``)
   whose handler is a Python function reached through ctypes: it wraps XLA's buffers as
   ``fa_kernels.interpreter.HostArray`` (no torch) and launches. An error in the launch
@@ -25,6 +27,8 @@ import functools
 import json
 import os
 import threading
+import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +38,6 @@ from fa_kernels import runtime
 
 CPU_TARGET = "fa_jax_interpret"
 GPU_TARGET = "triton_kernel_call"  # jax_triton's, registered by jaxlib's CUDA plugin
-# jax-triton 0.3.1 (the one Triton 3.6 takes) launches without global scratch, which tensor
-# descriptors built on the device need.
-DESCRIPTORS = False
 
 
 def on_gpu() -> bool:
@@ -66,9 +67,9 @@ def num_sms():
 
 
 def plan_options() -> dict:
-    """What the launch path adds to a plan request: no descriptors where it cannot
-    give them scratch (the GPU), the table's choice in the interpreter."""
-    return {} if not on_gpu() or DESCRIPTORS else {"tma": False}
+    """What the launch path adds to a plan request: no descriptors where jax-triton
+    cannot give them scratch, the table's choice in the interpreter."""
+    return {} if not on_gpu() or jax_triton_release().scratch else {"tma": False}
 
 
 def placeholder():
@@ -102,39 +103,56 @@ def export_checks() -> list:
 # ------------------------------------------------------------------------- the GPU
 
 
+class JaxTritonRelease(NamedTuple):
+    """What fa_jax uses that changed between jax-triton releases."""
+    module: object
+    version: tuple
+    scratch: bool         # 0.4: global scratch for device-side tensor descriptors
+    out_keyword: str      # 0.4 renamed out_shape= to out_type=
+
+
 @functools.lru_cache(maxsize=None)
-def _jax_triton():
+def jax_triton_release() -> JaxTritonRelease:
     cache_dir = os.environ.get("TRITON_CACHE_DIR")
     try:
         import jax_triton
     except ImportError as error:
         raise ImportError("fa_jax on a GPU launches through jax-triton: pip install "
                           "'flash-attention-jax-torch[jax]' (or jax-triton)") from error
-    # jax_triton 0.3.1 sets TRITON_CACHE_DIR="" on import, after which every Triton JIT
-    # compile in this process (fa_torch's) fails: put it back.
+    # jax_triton clears TRITON_CACHE_DIR on import (0.3.1 sets it to "", 0.4 deletes it),
+    # after which Triton's JIT (fa_torch's) no longer finds the user's cache: put it back.
     if cache_dir is None:
         os.environ.pop("TRITON_CACHE_DIR", None)
     else:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
-    return jax_triton
+    version = tuple(int(part) for part in jax_triton.__version__.split(".")[:2])
+    new = version >= (0, 4)
+    return JaxTritonRelease(jax_triton, version, scratch=new,
+                            out_keyword="out_type" if new else "out_shape")
 
 
 def _triton_call(launch, shapes, inputs):
     from fa_kernels import registry
 
-    if launch.constexprs.get("USE_TMA") and not DESCRIPTORS:
+    release = jax_triton_release()
+    if launch.constexprs.get("USE_TMA") and not release.scratch:
         raise ValueError(f"{launch.kernel}: this launch builds tensor descriptors on the device, "
-                         "which need global scratch that jax-triton 0.3.1 does not give; plan "
-                         "it with fa_jax._launch.plan_options()")
+                         "which need global scratch that jax-triton "
+                         f"{'.'.join(map(str, release.version))} does not give; plan it with "
+                         "fa_jax._launch.plan_options()")
 
     # jax_triton passes a Python float as fp64: the kernels take fp32.
     scalars = [np.float32(s) if isinstance(s, float) else s
                for s in registry.scalar_arguments(launch)]
-    return _jax_triton().triton_call(
-        *inputs, *scalars, kernel=registry.KERNELS[launch.kernel], out_shape=shapes,
-        grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        zeroed_outputs=tuple(i for i, o in enumerate(launch.outputs) if o.zeroed),
-        name=launch.kernel, **launch.constexprs)
+    with warnings.catch_warnings():
+        # 0.4 deprecates zeroed_outputs in favour of Refs but still zeroes: one call
+        # serves both releases, and outputs stay plain results.
+        warnings.filterwarnings("ignore", "zeroed_outputs is deprecated", DeprecationWarning)
+        return release.module.triton_call(
+            *inputs, *scalars, kernel=registry.KERNELS[launch.kernel],
+            grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            zeroed_outputs=tuple(i for i, o in enumerate(launch.outputs) if o.zeroed),
+            name=launch.kernel, **{release.out_keyword: shapes}, **launch.constexprs)
 
 
 # ------------------------------------------------------------------------- the CPU
