@@ -127,6 +127,58 @@ def resources(compiled) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
+def spills(compiled, capability: tuple[int, int]) -> tuple[int, int] | None:
+    """(spill store bytes, spill load bytes) that the bundled ptxas reports for the PTX."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    arch = f"sm_{capability[0]}{capability[1]}{'a' if capability >= (9, 0) else ''}"
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as file:
+            file.write(compiled.asm["ptx"])
+        try:
+            text = subprocess.run([tool, "-v", f"--gpu-name={arch}", ptx, "-o",
+                                   os.path.join(folder, "kernel.cubin")],
+                                  capture_output=True, text=True, timeout=300).stderr
+        except OSError:
+            return None
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def resource_table(capability: tuple[int, int], out=sys.stdout) -> None:
+    """One line per main kernel (bf16, D 64/128/256, causal or not, the plan's table as
+    fa_torch launches it): shared memory, registers, stack and spills, to compare Triton
+    releases with each other."""
+    import triton
+
+    print(f"triton {triton.__version__}, sm_{capability[0]}{capability[1]}", file=out)
+    print("| problem | kernel | tile (m, n, warps, stages) | tma | shared KB | regs | stack B "
+          "| spill st/ld B |", file=out)
+    print("|---|---|---|---|---|---|---|---|", file=out)
+    for head_dim in (64, 128, 256):
+        for causal in (False, True):
+            shape = (4, 4096, 16, head_dim)
+            problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16",
+                                            "bfloat16", causal=causal)
+            fwd = fa_plan.forward_plan(problem, capability=capability, num_sms=132)
+            bwd = fa_plan.backward_plan(problem, capability=capability)
+            dtypes = input_dtypes(problem, (fwd, bwd))
+            for launch in (*fwd.launches, *bwd.launches):
+                if launch.kernel == "attention_backward_preprocess":
+                    continue
+                compiled = compile_launch(launch, dtypes, capability)
+                regs, stack = resources(compiled) or ("?", "?")
+                spill = spills(compiled, capability)
+                c = launch.constexprs
+                tile = (c.get("BLOCK_M"), c.get("BLOCK_N"), launch.num_warps, launch.num_stages)
+                print(f"| D={head_dim}{' causal' if causal else ''} | {launch.kernel} | {tile} "
+                      f"| {int(bool(c.get('USE_TMA')))} | {compiled.metadata.shared / 1024:.0f} "
+                      f"| {regs} | {stack} | {'%d / %d' % spill if spill else '?'} |",
+                      file=out, flush=True)
+
+
 def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
     """(name, problem, forward plan options) over head dims, dtypes and features."""
     head_dims = (64, 128) if quick else (32, 64, 96, 128, 256)
@@ -265,12 +317,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--capability", default="9.0", help="major.minor, e.g. 8.0 or 9.0")
     parser.add_argument("--quick", action="store_true", help="fewer head dims and dtypes")
+    parser.add_argument("--resources", action="store_true",
+                        help="shared memory, registers and spills of the main kernels")
     parser.add_argument("--compare-launchers", action="store_true",
                         help="the JIT's PTX against jax_triton's, launch by launch")
     args = parser.parse_args(argv)
     if runtime.interpreting():
         raise SystemExit("run with TRITON_INTERPRET=0: the interpreter replaces the kernels")
     major, minor = (int(x) for x in args.capability.split("."))
+    if args.resources:
+        resource_table((major, minor))
+        return 0
     if args.compare_launchers:
         return 1 if compare_launchers((major, minor), args.quick) else 0
     return 1 if check((major, minor), args.quick) else 0
