@@ -5,13 +5,15 @@
 # Logs go to $OUT when it is set. Each step prints a short summary; tables print last.
 set -uo pipefail
 out="${OUT:-/tmp/fa_out}"; mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
+# Wheels carried in .whl, and those joined from parts (scripts/gpu_parts.sh) in /tmp/wheels.
+wheels=$(ls .whl/*.whl /tmp/wheels/*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+    --target /tmp/site $wheels && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
 fi
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
-python3 -c "import torch, triton, jax, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'numpy', numpy.__version__, jax.devices())"
+python3 -c "import torch, triton, jax, jax_triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'jax-triton', jax_triton.__version__, 'numpy', numpy.__version__, jax.devices())"
 py="$(./scripts/env.sh)" || exit 1
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
