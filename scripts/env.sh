@@ -4,17 +4,12 @@
 #   1. $FA_PYTHON if set;
 #   2. python3 as it is, when it already satisfies the supported ranges (the GPU machine,
 #      which has no network: torch, triton and jax come with its image);
-#   3. otherwise a venv for the version set FA_STACK names, installed from its
-#      constraints file (what CI runs, one job per set):
-#        oldest  .venv         Python 3.11, constraints-oldest.txt (triton 3.6, jax 0.10,
-#                              jax-triton 0.3.1, torch 2.13.0 CPU build)
-#        newest  .venv-newest  Python 3.12, constraints-newest.txt (triton 3.9, jax 0.12,
-#                              jax-triton 0.4.1, torch 2.15.0 from PyPI)
+#   3. otherwise a venv for the version set FA_STACK names (scripts/stack.sh), installed
+#      from its constraints file: .venv for oldest (what CI runs), .venv-newest for newest.
 # Either way the project itself is installed editable (fa_kernels lives in kernels/fa_kernels/).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-stack="${FA_STACK:-oldest}"
 
 satisfied() {
   "$1" - <<'PY' 2>/dev/null
@@ -42,23 +37,8 @@ install_project() {
   fi
 }
 
-# A Python of the given minor version: on PATH, else pyenv's.
-find_python() {
-  local candidate
-  # (a pyenv shim is on PATH for versions it will not run: try each candidate)
-  for candidate in "$(command -v "python$1" 2>/dev/null)" \
-      $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/python"$1" 2>/dev/null); do
-    [ -n "$candidate" ] && "$candidate" -c "" 2>/dev/null && echo "$candidate" && return
-  done
-  echo "env.sh: no Python $1 found (on PATH or in pyenv) for FA_STACK=$stack" >&2
-  return 1
-}
-
-case "$stack" in
-  oldest) venv="$root/.venv"; python_version=3.11; constraints=constraints-oldest.txt ;;
-  newest) venv="$root/.venv-newest"; python_version=3.12; constraints=constraints-newest.txt ;;
-  *) echo "env.sh: FA_STACK is '$stack'; expected oldest or newest" >&2; exit 1 ;;
-esac
+source "$root/scripts/stack.sh"
+venv="$root/.venv$venv_suffix"
 
 if [ -n "${FA_PYTHON:-}" ]; then
   py="$FA_PYTHON"
@@ -69,13 +49,7 @@ else
   if [ ! -x "$py" ] || ! satisfied "$py"; then
     echo "env.sh: creating $(basename "$venv") (Python $python_version) and installing $constraints;" \
          "pip's progress follows (a few minutes the first time)" >&2
-    [ -x "$py" ] || "$(find_python "$python_version")" -m venv "$venv" >&2
-    pip_env=()
-    if [ "$stack" = newest ]; then
-      # Machines here cap torch at the release on their disk (/etc/xdg/pip); this set is
-      # plain PyPI's, so pip reads no machine-wide config for it.
-      pip_env=(env PIP_CONFIG_FILE=/dev/null)
-    fi
+    [ -x "$py" ] || "$(find_python)" -m venv "$venv" >&2
     "${pip_env[@]}" "$py" -m pip install --progress-bar off -c "$constraints" setuptools wheel \
       torch triton jax jaxlib jax-triton flatbuffers numpy pytest pytest-xdist hypothesis flax optax \
       transformers matplotlib tqdm 2>&1 \
