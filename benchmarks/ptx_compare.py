@@ -2,8 +2,8 @@
 
 Runs one forward+backward through fa_jax (jitted; jax_triton writes each kernel's PTX
 under JAX_TRITON_DUMP_DIR) and the same plan's launches through fa_torch's launcher
-(Triton's JIT), both without tensor descriptors (jax-triton 0.3.1 has no scratch for
-them), then prints for the forward, dK/dV and dQ kernels the instruction counts of
+(Triton's JIT), both with fa_jax's plan options (no tensor descriptors under
+jax-triton 0.3.1, which has no scratch for them), then prints for the forward, dK/dV and dQ kernels the instruction counts of
 each PTX (``fa_kernels.offline.ptx_counts``), the spills the same ptxas reports for
 each, whether the code is the same, and whether the outputs are bitwise equal.
 

@@ -2,14 +2,16 @@
 
 * GPU: ``jax_triton.triton_call``. jax_triton compiles the kernel with Triton's own
   compiler at lowering time and jaxlib launches it from the custom call
-  ``triton_kernel_call`` on XLA's stream. jax_triton marks no scalar argument divisible
-  by 16 where Triton's JIT (fa_torch) does; the kernels carry that knowledge themselves
-  (``fa_kernels.helpers.kernel`` and ``aligned``), so both front ends compile the same
-  PTX and get the same bits. What differs between jax-triton releases is in
-  ``jax_triton_release`` alone: 0.4.x (Triton >= 3.7) gives a kernel the global scratch
-  that tensor descriptors built on the device need, so the plan's table is used as is;
-  0.3.1 (Triton 3.6) does not, and the plan picks the best tiles read through plain
-  pointers (``plan_options``).
+  ``triton_kernel_call`` (0.4: ``triton_kernel_call_ffi``) on XLA's stream. jax_triton
+  marks no scalar argument divisible by 16 where Triton's JIT (fa_torch) does; the
+  kernels carry that knowledge themselves (``fa_kernels.helpers.kernel`` and
+  ``aligned``), so both front ends compile the same PTX and get the same bits. What
+  differs between jax-triton releases is in ``jax_triton_release`` alone. Neither
+  release can run kernels that build tensor descriptors on the device inside a jitted
+  program (``plan_options``), so fa_jax's plans read the same tiles through plain
+  pointers. jax-triton hands XLA PTX, which XLA assembles with its own ptxas, often
+  older than the one Triton carries: the PTX is written for the older of the two
+  (``xla_ptx_version``).
 * CPU: the same kernel in Triton's interpreter, as an XLA FFI call (``fa_jax_interpret``)
   whose handler is a Python function reached through ctypes: it wraps XLA's buffers as
   ``fa_kernels.interpreter.HostArray`` (no torch) and launches. An error in the launch
@@ -24,8 +26,13 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import glob
+import importlib.util
 import json
 import os
+import re
+import shutil
+import subprocess
 import threading
 import warnings
 from typing import NamedTuple
@@ -37,7 +44,6 @@ import numpy as np
 from fa_kernels import runtime
 
 CPU_TARGET = "fa_jax_interpret"
-GPU_TARGET = "triton_kernel_call"  # jax_triton's, registered by jaxlib's CUDA plugin
 
 
 def on_gpu() -> bool:
@@ -67,9 +73,13 @@ def num_sms():
 
 
 def plan_options() -> dict:
-    """What the launch path adds to a plan request: no descriptors where jax-triton
-    cannot give them scratch, the table's choice in the interpreter."""
-    return {} if not on_gpu() or jax_triton_release().scratch else {"tma": False}
+    """What the launch path adds to a plan request: on the GPU, no tensor descriptors
+    built on the device. They need global scratch. jax-triton 0.3.1 gives none; 0.4
+    has jaxlib allocate it with cuMemAllocAsync inside each launch, from a handler it
+    marks safe for XLA's command buffers (CUDA graphs), and a graph holding allocation
+    nodes cannot be nested: a jitted training step fails with CUDA_ERROR_NOT_SUPPORTED
+    ("Failed to create a child graph node"). In the interpreter, the table's choice."""
+    return {"tma": False} if on_gpu() else {}
 
 
 def placeholder():
@@ -97,7 +107,8 @@ def export_checks() -> list:
     fa_jax: its custom call is not one of jax's stable targets. A module exported on the
     GPU holds the kernels as PTX for that GPU's capability; one exported on the CPU needs
     ``import fa_jax`` in the process that runs it (the target is registered on import)."""
-    return [jax.export.DisabledSafetyCheck.custom_call(GPU_TARGET if on_gpu() else CPU_TARGET)]
+    target = jax_triton_release().target if on_gpu() else CPU_TARGET
+    return [jax.export.DisabledSafetyCheck.custom_call(target)]
 
 
 # ------------------------------------------------------------------------- the GPU
@@ -107,8 +118,9 @@ class JaxTritonRelease(NamedTuple):
     """What fa_jax uses that changed between jax-triton releases."""
     module: object
     version: tuple
-    scratch: bool         # 0.4: global scratch for device-side tensor descriptors
     out_keyword: str      # 0.4 renamed out_shape= to out_type=
+    backend_options: bool  # 0.4 passes compiler options (ptx_version) through to Triton
+    target: str           # the custom call jaxlib's CUDA plugin registers (0.4: an FFI one)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,23 +139,65 @@ def jax_triton_release() -> JaxTritonRelease:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
     version = tuple(int(part) for part in jax_triton.__version__.split(".")[:2])
     new = version >= (0, 4)
-    return JaxTritonRelease(jax_triton, version, scratch=new,
-                            out_keyword="out_type" if new else "out_shape")
+    return JaxTritonRelease(jax_triton, version,
+                            out_keyword="out_type" if new else "out_shape", backend_options=new,
+                            target=getattr(jax_triton.triton_lib, "CUSTOM_CALL_TARGET_NAME",
+                                           "triton_kernel_call"))
+
+
+def ptxas_releases() -> list:
+    """The CUDA releases ("13.0") of the ptxas binaries XLA may assemble PTX with: the
+    ``--xla_gpu_cuda_data_dir`` flag, the NVIDIA wheels beside jaxlib, $PATH, $CUDA_HOME
+    and /usr/local/cuda. Triton's own ptxas (inside the triton package) is not one."""
+    flag = re.search(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    roots = [flag.group(1)] if flag else []
+    wheels = importlib.util.find_spec("nvidia")
+    for folder in (wheels.submodule_search_locations if wheels else []):
+        roots += sorted(glob.glob(os.path.join(folder, "*")))
+    on_path = shutil.which("ptxas")
+    roots += [os.path.dirname(os.path.dirname(on_path))] if on_path else []
+    roots += [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
+    releases = []
+    for path in dict.fromkeys(os.path.join(root, "bin", "ptxas") for root in roots if root):
+        if os.access(path, os.X_OK):
+            printed = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+            found = re.search(r"release (\d+\.\d+)", printed)
+            releases += [found.group(1)] if found else []
+    return releases
+
+
+@functools.lru_cache(maxsize=None)
+def xla_ptx_version(arch: int) -> int:
+    """The PTX ISA version to write for sm_``arch``: Triton's choice (from the ptxas it
+    carries), lowered to what the oldest ptxas XLA may use accepts (one older than CUDA
+    12 is not: XLA refuses it), or the driver when there is none (XLA then has the
+    driver assemble PTX). Triton 3.9 writes PTX 9.4, which CUDA 13.0's ptxas refuses."""
+    from triton.backends.nvidia import compiler
+
+    ours = compiler.ptx_get_version(compiler.get_ptxas(arch).version)
+    releases = [r for r in ptxas_releases() if int(r.split(".")[0]) >= 12]
+    if not releases and runtime.driver_cuda_version():
+        releases = [runtime.driver_cuda_version()]
+    return min([ours] + [compiler.ptx_get_version(r) for r in releases])
 
 
 def _triton_call(launch, shapes, inputs):
     from fa_kernels import registry
 
     release = jax_triton_release()
-    if launch.constexprs.get("USE_TMA") and not release.scratch:
+    if launch.constexprs.get("USE_TMA"):
         raise ValueError(f"{launch.kernel}: this launch builds tensor descriptors on the device, "
-                         "which need global scratch that jax-triton "
-                         f"{'.'.join(map(str, release.version))} does not give; plan it with "
-                         "fa_jax._launch.plan_options()")
+                         "whose global scratch jax-triton "
+                         f"{'.'.join(map(str, release.version))} cannot give inside a jitted "
+                         "program; plan it with fa_jax._launch.plan_options()")
 
     # jax_triton passes a Python float as fp64: the kernels take fp32.
     scalars = [np.float32(s) if isinstance(s, float) else s
                for s in registry.scalar_arguments(launch)]
+    # 0.3.1 takes no compiler options; its Triton (3.6) writes PTX that CUDA 12.8 accepts.
+    major, minor = capability()
+    options = ({"backend_options": {"ptx_version": xla_ptx_version(major * 10 + minor)}}
+               if release.backend_options else {})
     with warnings.catch_warnings():
         # 0.4 deprecates zeroed_outputs in favour of Refs but still zeroes: one call
         # serves both releases, and outputs stay plain results.
@@ -152,7 +206,7 @@ def _triton_call(launch, shapes, inputs):
             *inputs, *scalars, kernel=registry.KERNELS[launch.kernel],
             grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
             zeroed_outputs=tuple(i for i, o in enumerate(launch.outputs) if o.zeroed),
-            name=launch.kernel, **{release.out_keyword: shapes}, **launch.constexprs)
+            name=launch.kernel, **{release.out_keyword: shapes}, **options, **launch.constexprs)
 
 
 # ------------------------------------------------------------------------- the CPU

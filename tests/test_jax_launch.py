@@ -152,18 +152,68 @@ def test_export_and_compilation_cache_across_processes(tmp_path):
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU path")
 def test_gpu_launch_has_no_descriptors():
-    # jax-triton 0.3.1 gives no global scratch: the plan reads the same tiles through
+    # Kernels that build tensor descriptors need global scratch, which no jax-triton
+    # release gives inside a jitted program: the plan reads the same tiles through
     # pointers, and a launch that would build descriptors is refused before lowering.
     from fa_kernels import plan as fa_plan
 
-    problem = fa_plan.check_problem((1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 2, 128),
-                                    "bfloat16", "bfloat16", "bfloat16")
+    shape = (1, 256, 2, 128)
+    problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(),
                                **_launch.plan_options())
     assert not fwd.launch.constexprs["USE_TMA"]
     if _launch.capability() >= (9, 0):
         tma = fa_plan.forward_plan(problem, capability=_launch.capability(), tma=True)
-        q, k, v = inputs(shape=(1, 256, 2, 128))
-        with pytest.raises(ValueError, match="scratch"):
+        q, k, v = inputs(shape=shape)
+        with pytest.raises(ValueError, match="descriptors"):
             _launch.run(tma.launch, {"q": q, "k": k, "v": v, **{
                 n: _launch.placeholder() for n in tma.launch.inputs if n not in "qkv"}})
+
+
+@pytest.mark.skipif(not ON_GPU, reason="XLA's command buffers (CUDA graphs) are on the GPU")
+def test_jitted_training_loop_in_xla_command_buffers():
+    # A loop body with several kernels and fusions is what XLA turns into a CUDA graph.
+    # With jax-triton 0.4 and device-built descriptors this failed: "Failed to create a
+    # child graph node ... CUDA_ERROR_NOT_SUPPORTED". The loop must give what the same
+    # steps give one jitted call at a time.
+    q, k, v = inputs(shape=(2, 2048, 4, 128))
+
+    def step(q, _):
+        out, vjp = jax.vjp(lambda q: fa_jax.attention(q, k, v, causal=True), q)
+        (dq,) = vjp(out)
+        return (q.astype(jnp.float32) - 1e-2 * dq.astype(jnp.float32)).astype(q.dtype), \
+            out.astype(jnp.float32).sum()
+
+    looped_q, looped_sums = jax.jit(lambda q: jax.lax.scan(step, q, None, length=3))(q)
+    one_step = jax.jit(step)
+    sums = []
+    for _ in range(3):
+        q, total = one_step(q, None)
+        sums.append(total)
+    np.testing.assert_array_equal(np.asarray(looped_q, np.float32), np.asarray(q, np.float32))
+    # (XLA may order a reduction differently inside the loop)
+    np.testing.assert_allclose(np.asarray(looped_sums), np.asarray(jnp.stack(sums)), rtol=1e-5)
+
+
+def test_ptx_is_written_for_the_oldest_ptxas_xla_may_use(tmp_path, monkeypatch):
+    # jax-triton hands XLA PTX, and XLA's ptxas (CUDA 13.0 beside jaxlib 0.11) refuses the
+    # PTX 9.4 that Triton 3.9 writes for its own ptxas. Fake ptxas binaries of three CUDA
+    # releases, where XLA looks: the flag, $PATH and $CUDA_HOME.
+    for release in ("13.0", "12.8", "11.8"):
+        folder = tmp_path / release / "bin"
+        folder.mkdir(parents=True)
+        ptxas = folder / "ptxas"
+        ptxas.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, "
+                         f"V{release}.41'\n")
+        ptxas.chmod(0o755)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_gpu_cuda_data_dir={tmp_path / '13.0'}")
+    monkeypatch.setenv("PATH", f"{tmp_path / '12.8' / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "11.8"))
+    releases = _launch.ptxas_releases()
+    assert releases[0] == "13.0" and {"12.8", "11.8"} <= set(releases)
+    _launch.xla_ptx_version.cache_clear()
+    try:
+        # 12.8 takes PTX 8.7 at most; 11.8 is older than XLA accepts and does not count.
+        assert 80 <= _launch.xla_ptx_version(90) <= 87
+    finally:
+        _launch.xla_ptx_version.cache_clear()

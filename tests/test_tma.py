@@ -91,7 +91,7 @@ def test_descriptor_varlen_with_an_empty_sequence(descriptor_table, front, causa
 def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     # The same values reach the same arithmetic: the outputs are bit for bit those of
     # pointer loads, and fa_jax's launch gives them too (of the descriptor kernel in the
-    # interpreter; on the GPU, where jax-triton 0.3.1 gives no scratch, of pointer loads).
+    # interpreter; on the GPU, where fa_jax builds no descriptors, of pointer loads).
     seqlen_k = 1500 if ON_GPU else 140
     q, k, v = random_qkv(2, 50, seqlen_k, 4, 2, 64, "bfloat16", seed=11)
     problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",

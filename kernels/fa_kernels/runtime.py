@@ -50,6 +50,16 @@ def multiprocessors(ordinal: int = 0) -> int | None:
     return count.value
 
 
+@functools.lru_cache(maxsize=None)
+def driver_cuda_version() -> str | None:
+    """The CUDA release the driver supports, as ptxas prints one ("13.0"); None without one."""
+    cuda = libcuda()
+    version = ctypes.c_int(0)
+    if cuda is None or cuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
 _decided: bool | None = None  # set once configure() has run: the answer cannot change after
 
 
