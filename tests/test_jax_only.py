@@ -49,6 +49,32 @@ def test_values_and_gradients_match_jax(causal, dtype):
                                    atol=tolerance * max(scale, 1.0), err_msg=f"d{name}")
 
 
+def test_softcap_and_window_match_a_reference():
+    # Softcap runs constexpr * tensor arithmetic (tanh), which each Triton interpreter
+    # release has handled differently (fa_kernels.interpreter); GQA and a sliding window.
+    q, k, v = qkv()
+    cap, (left, right) = 5.0, (9, 3)
+
+    def reference(q, k, v):
+        k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / q.shape[-1] ** 0.5
+        scores = cap * jnp.tanh(scores / cap)
+        rows, cols = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+        scores = jnp.where((cols >= rows - left) & (cols <= rows + right), scores, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v,
+                          precision="highest")
+
+    def loss(attend):
+        return lambda q, k, v: (attend(q, k, v) ** 2).sum()
+
+    ours = lambda q, k, v: fa_jax.attention(q, k, v, softcap=cap,  # noqa: E731
+                                            window_size=(left, right))
+    np.testing.assert_allclose(ours(q, k, v), reference(q, k, v), atol=2e-5)
+    for a, b in zip(jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v),
+                    jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=2e-5 * max(float(jnp.abs(b).max()), 1.0))
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda q, k, v: fa_jax.attention(q, k[:, :, :1, :7], v), ValueError, "same shape"),
     (lambda q, k, v: fa_jax.attention(q[..., :3, :], k, v), ValueError, "heads"),

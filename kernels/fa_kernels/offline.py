@@ -128,10 +128,11 @@ def resources(compiled) -> tuple[int, int] | None:
 
 
 def spills(compiled, capability: tuple[int, int]) -> tuple[int, int] | None:
-    """(spill store bytes, spill load bytes) that the bundled ptxas reports for the PTX."""
-    import triton
+    """(spill store bytes, spill load bytes) that the ptxas Triton itself uses for this
+    GPU reports for the PTX (Triton 3.9 assembles sm_90 with its newer `ptxas-blackwell`)."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    tool = get_ptxas(capability[0] * 10 + capability[1]).path
     arch = f"sm_{capability[0]}{capability[1]}{'a' if capability >= (9, 0) else ''}"
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
