@@ -159,10 +159,13 @@ def ptxas_releases() -> list:
     roots += [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
     releases = []
     for path in dict.fromkeys(os.path.join(root, "bin", "ptxas") for root in roots if root):
-        if os.access(path, os.X_OK):
-            printed = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-            found = re.search(r"release (\d+\.\d+)", printed)
-            releases += [found.group(1)] if found else []
+        try:  # a file that cannot run (another machine's binary) is not a ptxas XLA uses
+            printed = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                     timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        found = re.search(r"release (\d+\.\d+)", printed)
+        releases += [found.group(1)] if found else []
     return releases
 
 

@@ -99,10 +99,11 @@ _GPU_16BIT_CAUSAL = {
 }
 _GPU_32BIT_CAUSAL: dict = {}
 
-# Where an entry reads through tensor descriptors and a launch cannot make them (fa_jax
-# through jax-triton 0.3.1, which gives a kernel no global scratch), the best pointer-load
-# tile measured for that (kernel, block_d) serves instead (H200, S = 4096, ms non-causal /
-# causal, benchmarks/NOTES.md 13 and 16); other entries keep their tile. Only the tile
+# Where an entry reads through tensor descriptors and a launch cannot make them (fa_jax on
+# the GPU: no jax-triton release gives their global scratch inside a jitted program,
+# fa_jax._launch.plan_options), the best pointer-load tile measured for that
+# (kernel, block_d) serves instead (H200, S = 4096, ms non-causal / causal,
+# benchmarks/NOTES.md 13 and 16); other entries keep their tile. Only the tile
 # sizes per program change, never the order in which a row or a key sums: same bits.
 _GPU_16BIT_POINTER = {
     # 1.167 / 0.675 against the descriptor entry's 1.083 / 0.633; that tile with pointer
