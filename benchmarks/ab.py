@@ -5,7 +5,9 @@ with constexprs overridden, on the bench shapes (GPU), with the outputs compared
                             [--shape 4,4096,16,16,128,0 ...] [--dtype bfloat16]
 
 Each ``--variant`` is NAME=VALUE[,NAME=VALUE...] (ints; 0/1 for flags; not what the grid
-is cut by: BLOCK_M of the forward and dQ, BLOCK_N and DKDV_PARTS of dK/dV). The first row of
+is cut by: BLOCK_M of the forward and dQ, BLOCK_N and DKDV_PARTS of dK/dV; HOST_TMA=0
+makes the plan's host descriptors on the device, HOST_TMA=0,HOLD_TMA=1 holds blocks
+through them as the device path does). The first row of
 each shape is the plan's own launch; the others print their time and the largest
 difference of their outputs from it (the same arithmetic in another order gives ~1 ulp).
 Inputs, launches and the outputs compared are tune.py's. Without a GPU it runs the
@@ -61,7 +63,11 @@ def main():
         launch = launch_of(args.kernel, p, capability)
         first = None
         for variant in variants:
-            trial = dataclasses.replace(launch, constexprs={**launch.constexprs, **variant})
+            constexprs = {**launch.constexprs, **variant}
+            # HOST_TMA=0: the descriptors the plan made on the host are made on the device.
+            blocks = (launch.blocks if constexprs.get("HOST_TMA")
+                      else tuple(b.plain() for b in launch.blocks))
+            trial = dataclasses.replace(launch, constexprs=constexprs, blocks=blocks)
             outputs = _launch.run(trial, dict(arrays), torch.device(device))
             values = [outputs[name].float() for name in CHECKED[args.kernel]]
             first = first or values

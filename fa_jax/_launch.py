@@ -6,10 +6,11 @@
   marks no scalar argument divisible by 16 where Triton's JIT (fa_torch) does; the
   kernels carry that knowledge themselves (``fa_kernels.helpers.kernel`` and
   ``aligned``), so both front ends compile the same PTX and get the same bits. What
-  differs between jax-triton releases is in ``jax_triton_release`` alone. Neither
-  release can run kernels that build tensor descriptors on the device inside a jitted
-  program (``plan_options``), so fa_jax's plans read the same tiles through plain
-  pointers. jax-triton hands XLA PTX, which XLA assembles with its own ptxas, often
+  differs between jax-triton releases is in ``jax_triton_release`` alone. Tensor
+  descriptors (TMA) come from the host, as ``jax_triton.TensorDescriptor`` (0.4); no
+  release can run kernels that build them on the device inside a jitted program
+  (``plan_options``), so those launches (varlen) and every launch under 0.3.1 read the
+  same tiles through plain pointers. jax-triton hands XLA PTX, which XLA assembles with its own ptxas, often
   older than the one Triton carries: the PTX is written for the older of the two
   (``xla_ptx_version``).
 * CPU: the same kernel in Triton's interpreter, as an XLA FFI call (``fa_jax_interpret``)
@@ -78,8 +79,14 @@ def plan_options() -> dict:
     has jaxlib allocate it with cuMemAllocAsync inside each launch, from a handler it
     marks safe for XLA's command buffers (CUDA graphs), and a graph holding allocation
     nodes cannot be nested: a jitted training step fails with CUDA_ERROR_NOT_SUPPORTED
-    ("Failed to create a child graph node"). In the interpreter, the table's choice."""
-    return {"tma": False} if on_gpu() else {}
+    ("Failed to create a child graph node"). Descriptors made on the host need none:
+    0.4 takes them (``jax_triton.TensorDescriptor``), 0.3.1 does not. In the
+    interpreter, the table's choice."""
+    if not on_gpu():
+        return {}
+    if jax_triton_release().host_descriptors:
+        return {"device_descriptors": False}
+    return {"tma": False}
 
 
 def placeholder():
@@ -121,6 +128,7 @@ class JaxTritonRelease(NamedTuple):
     out_keyword: str      # 0.4 renamed out_shape= to out_type=
     backend_options: bool  # 0.4 passes compiler options (ptx_version) through to Triton
     target: str           # the custom call jaxlib's CUDA plugin registers (0.4: an FFI one)
+    host_descriptors: bool  # 0.4 takes jax_triton.TensorDescriptor arguments
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +150,8 @@ def jax_triton_release() -> JaxTritonRelease:
     return JaxTritonRelease(jax_triton, version,
                             out_keyword="out_type" if new else "out_shape", backend_options=new,
                             target=getattr(jax_triton.triton_lib, "CUSTOM_CALL_TARGET_NAME",
-                                           "triton_kernel_call"))
+                                           "triton_kernel_call"),
+                            host_descriptors=hasattr(jax_triton, "TensorDescriptor"))
 
 
 def ptxas_releases() -> list:
@@ -188,7 +197,8 @@ def _triton_call(launch, shapes, inputs):
     from fa_kernels import registry
 
     release = jax_triton_release()
-    if launch.constexprs.get("USE_TMA"):
+    host = launch.constexprs.get("HOST_TMA")
+    if launch.constexprs.get("USE_TMA") and not host:
         raise ValueError(f"{launch.kernel}: this launch builds tensor descriptors on the device, "
                          "whose global scratch jax-triton "
                          f"{'.'.join(map(str, release.version))} cannot give inside a jitted "
@@ -197,6 +207,13 @@ def _triton_call(launch, shapes, inputs):
     # jax_triton passes a Python float as fp64: the kernels take fp32.
     scalars = [np.float32(s) if isinstance(s, float) else s
                for s in registry.scalar_arguments(launch)]
+    if host and not release.host_descriptors:
+        raise ValueError(f"{launch.kernel}: this launch reads through tensor descriptors made "
+                         f"on the host, which jax-triton {'.'.join(map(str, release.version))} "
+                         "cannot pass; plan it with fa_jax._launch.plan_options()")
+    arrays = dict(zip(launch.inputs, inputs))
+    blocks = [release.module.TensorDescriptor(arrays[b.array], b.shape, b.strides, b.block_shape)
+              if b.host_descriptor else arrays[b.array] for b in launch.blocks]
     # 0.3.1 takes no compiler options; its Triton (3.6) writes PTX that CUDA 12.8 accepts.
     major, minor = capability()
     options = ({"backend_options": {"ptx_version": xla_ptx_version(major * 10 + minor)}}
@@ -206,7 +223,7 @@ def _triton_call(launch, shapes, inputs):
         # serves both releases, and outputs stay plain results.
         warnings.filterwarnings("ignore", "zeroed_outputs is deprecated", DeprecationWarning)
         return release.module.triton_call(
-            *inputs, *scalars, kernel=registry.KERNELS[launch.kernel],
+            *inputs, *blocks, *scalars, kernel=registry.KERNELS[launch.kernel],
             grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
             zeroed_outputs=tuple(i for i, o in enumerate(launch.outputs) if o.zeroed),
             name=launch.kernel, **{release.out_keyword: shapes}, **options, **launch.constexprs)

@@ -151,23 +151,32 @@ def test_export_and_compilation_cache_across_processes(tmp_path):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU path")
-def test_gpu_launch_has_no_descriptors():
-    # Kernels that build tensor descriptors need global scratch, which no jax-triton
-    # release gives inside a jitted program: the plan reads the same tiles through
-    # pointers, and a launch that would build descriptors is refused before lowering.
+def test_gpu_launch_builds_no_descriptors_on_the_device():
+    # Descriptors built inside a kernel need global scratch, which jaxlib allocates inside
+    # the launch, where XLA's command buffers cannot capture it. jax-triton 0.4 passes
+    # descriptors made on the host (no scratch), 0.3.1 passes none: the plan reads tiles
+    # through those or through pointers, and a launch that would build descriptors on the
+    # device is refused before lowering.
     from fa_kernels import plan as fa_plan
 
-    shape = (1, 256, 2, 128)
+    shape = (1, 4096, 2, 128)  # long enough for the table to read K/V through descriptors
     problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
-    fwd = fa_plan.forward_plan(problem, capability=_launch.capability(),
-                               **_launch.plan_options())
-    assert not fwd.launch.constexprs["USE_TMA"]
-    if _launch.capability() >= (9, 0):
-        tma = fa_plan.forward_plan(problem, capability=_launch.capability(), tma=True)
-        q, k, v = inputs(shape=shape)
-        with pytest.raises(ValueError, match="descriptors"):
-            _launch.run(tma.launch, {"q": q, "k": k, "v": v, **{
-                n: _launch.placeholder() for n in tma.launch.inputs if n not in "qkv"}})
+    capability = _launch.capability()
+    fwd = fa_plan.forward_plan(problem, capability=capability, **_launch.plan_options())
+    constexprs = fwd.launch.constexprs
+    assert not constexprs["USE_TMA"] or constexprs["HOST_TMA"]
+    if capability < (9, 0):
+        return
+    release = _launch.jax_triton_release()
+    assert bool(constexprs["HOST_TMA"]) == release.host_descriptors
+    assert [b.host_descriptor for b in fwd.launch.blocks] == [release.host_descriptors] * 2
+    device = fa_plan.forward_plan(problem, capability=capability, tma=True,
+                                  host_descriptors=False)
+    assert device.launch.constexprs["USE_TMA"] and not device.launch.constexprs["HOST_TMA"]
+    q, k, v = inputs(shape=shape)
+    with pytest.raises(ValueError, match="descriptors"):
+        _launch.run(device.launch, {"q": q, "k": k, "v": v, **{
+            n: _launch.placeholder() for n in device.launch.inputs if n not in "qkv"}})
 
 
 @pytest.mark.skipif(not ON_GPU, reason="XLA's command buffers (CUDA graphs) are on the GPU")

@@ -288,18 +288,20 @@ def test_few_rows_entries(monkeypatch):
 
 def test_held_blocks_through_descriptors_as_the_entry_says():
     # USE_TMA: the streamed blocks; HOLD_TMA: the held ones, only with USE_TMA and as the
-    # entry's hold_tma says (the H200's D = 64 dK/dV keeps K/V in registers).
+    # entry's hold_tma says (the H200's D = 64 dK/dV keeps K/V in registers), and only
+    # through descriptors made on the device: with host ones, held blocks use pointers.
     from fa_kernels import configs
 
     for head_dim in (64, 128, 256):
         shape = (2, 4096, 4, head_dim)
         p = plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
-        bwd = plan.backward_plan(p, capability=(9, 0))
-        for kernel in ("dkdv", "dq"):
-            entry = configs.table_entry(kernel, head_dim, "bfloat16", 4096, 4096)
-            flags = getattr(bwd, kernel).constexprs
-            assert flags["USE_TMA"] == entry.tma
-            assert flags["HOLD_TMA"] == (entry.tma and entry.hold_tma)
+        for host in (False, True):
+            bwd = plan.backward_plan(p, capability=(9, 0), host_descriptors=host)
+            for kernel in ("dkdv", "dq"):
+                entry = configs.table_entry(kernel, head_dim, "bfloat16", 4096, 4096)
+                flags = getattr(bwd, kernel).constexprs
+                assert flags["USE_TMA"] == entry.tma and flags["HOST_TMA"] == (host and entry.tma)
+                assert flags["HOLD_TMA"] == (entry.tma and entry.hold_tma and not host)
         ampere = plan.backward_plan(p, capability=(8, 0))
         assert not ampere.dkdv.constexprs["HOLD_TMA"] and not ampere.dq.constexprs["HOLD_TMA"]
     assert not configs.table_entry("dkdv", 64, "bfloat16", 4096, 4096).hold_tma

@@ -85,25 +85,82 @@ def test_descriptor_varlen_with_an_empty_sequence(descriptor_table, front, causa
         assert_close_to_reference(name, g, t, f, "bfloat16", factor=3.0)
 
 
+# How a plan may read its blocks: plain pointers, descriptors made on the device (scratch
+# memory each program), or descriptors made on the host (kernel arguments).
+READ_PATHS = {"pointers": dict(tma=False), "device": dict(tma=True, host_descriptors=False),
+              "host": dict(tma=True)}
+
+
+def _read_path(launch) -> str:
+    flags = launch.constexprs
+    assert flags["HOST_TMA"] == any(b.host_descriptor for b in launch.blocks)
+    return "pointers" if not flags["USE_TMA"] else "host" if flags["HOST_TMA"] else "device"
+
+
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_descriptor_loads_give_the_same_bits(causal, num_splits):
     # The same values reach the same arithmetic: the outputs are bit for bit those of
-    # pointer loads, and fa_jax's launch gives them too (of the descriptor kernel in the
-    # interpreter; on the GPU, where fa_jax builds no descriptors, of pointer loads).
+    # pointer loads whichever way the blocks are read, and fa_jax's launch (its own
+    # choice of read path) gives them too.
+    from fa_jax import _launch as jax_launch
+
     seqlen_k = 1500 if ON_GPU else 140
     q, k, v = random_qkv(2, 50, seqlen_k, 4, 2, 64, "bfloat16", seed=11)
     problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
                                     "bfloat16", causal=causal)
-    plain, tma = (fa_plan.forward_plan(problem, capability=CAPABILITY, tma=flag,
-                                       num_splits=num_splits) for flag in (False, True))
-    assert tma.launch.constexprs["USE_TMA"] and not plain.launch.constexprs["USE_TMA"]
-    out, lse = forward_plan_torch(tma, launch_arrays(q, k, v))
-    p_out, p_lse = forward_plan_torch(plain, launch_arrays(q, k, v))
-    assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
-    j_out, j_lse = forward_plan_jax(plain if ON_GPU else tma, launch_arrays(q, k, v))
+    results = {}
+    for path, options in READ_PATHS.items():
+        fwd = fa_plan.forward_plan(problem, capability=CAPABILITY, num_splits=num_splits,
+                                   **options)
+        assert _read_path(fwd.launch) == path
+        results[path] = forward_plan_torch(fwd, launch_arrays(q, k, v))
+    for path, (out, lse) in results.items():
+        assert torch.equal(out, results["pointers"][0]), path
+        assert torch.equal(lse, results["pointers"][1]), path
+    jax_plan = fa_plan.forward_plan(problem, capability=CAPABILITY, tma=True,
+                                    num_splits=num_splits, **jax_launch.plan_options())
+    j_out, j_lse = forward_plan_jax(jax_plan, launch_arrays(q, k, v))
+    out, lse = results["pointers"]
     assert torch.equal(out.cpu(), j_out) and torch.equal(lse.cpu(), j_lse)
+
+
+def test_host_descriptors_only_where_one_descriptor_serves_every_sequence():
+    # Varlen: a sequence's blocks must stop at its own last row, which a descriptor over
+    # the packed array cannot say; broadcast arrays (a stride of 0) are left to the device.
+    shape = (2, 256, 4, 64)
+    problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
+    fwd = fa_plan.forward_plan(problem, capability=(9, 0), tma=True)
+    assert _read_path(fwd.launch) == "host"
+    assert [b.array for b in fwd.launch.blocks] == ["k", "v"]
+    k_blocks = fwd.launch.blocks[0]
+    assert k_blocks.shape == shape and k_blocks.strides == (256 * 4 * 64, 4 * 64, 64, 1)
+    assert k_blocks.block_shape == (1, fwd.launch.constexprs["BLOCK_N"], 1, 64)
+    bwd = fa_plan.backward_plan(problem, capability=(9, 0), tma=True)
+    for launch in (bwd.dkdv, bwd.dq):
+        assert _read_path(launch) == "host"
+        assert [b.array for b in launch.blocks] == ["q", "k", "v", "dout"]
+    broadcast = fa_plan.forward_plan(problem, capability=(9, 0), tma=True,
+                                     k_strides=(0, 4 * 64, 64, 1))
+    assert _read_path(broadcast.launch) == "device"
+    assert _read_path(fa_plan.forward_plan(problem, capability=(9, 0), tma=True,
+                                           k_strides=(0, 4 * 64, 64, 1),
+                                           device_descriptors=False).launch) == "pointers"
+    # Without device descriptors (fa_jax), host ones still serve the padded batch.
+    assert _read_path(fa_plan.forward_plan(problem, capability=(9, 0), tma=True,
+                                           device_descriptors=False).launch) == "host"
+    packed_shape = (300, 4, 64)
+    varlen = dict(cu_seqlens_q_shape=(3,), cu_seqlens_k_shape=(3,), cu_seqlens_q_dtype="int32",
+                  cu_seqlens_k_dtype="int32", max_seqlen_q=200, max_seqlen_k=200)
+    packed = fa_plan.check_problem(packed_shape, packed_shape, packed_shape, "bfloat16",
+                                   "bfloat16", "bfloat16", varlen=varlen)
+    assert _read_path(fa_plan.forward_plan(packed, capability=(9, 0), tma=True).launch) == "device"
+    for launch in fa_plan.backward_plan(packed, capability=(9, 0), tma=True,
+                                        device_descriptors=False).launches:
+        assert "USE_TMA" not in launch.constexprs or _read_path(launch) == "pointers"
+    # A launch description carries its descriptors whole (fa_jax's CPU target rebuilds it).
+    assert fa_plan.Launch.from_json(fwd.launch.to_json()) == fwd.launch
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
@@ -122,19 +179,22 @@ def test_descriptor_backward_gives_the_same_bits(replace_entries, causal, hold):
     out, lse = forward_plan_torch(fa_plan.forward_plan(problem, capability=CAPABILITY),
                               launch_arrays(q, k, v))
     grads = {}
-    for flag in (False, True):
-        bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, tma=flag, has_dlse=False)
-        assert bwd.dkdv.constexprs["USE_TMA"] == flag == bwd.dq.constexprs["USE_TMA"]
-        assert bwd.dkdv.constexprs["HOLD_TMA"] == (flag and hold) == bwd.dq.constexprs["HOLD_TMA"]
-        if flag:  # the launcher's fallback for unaligned arrays turns both off
-            plain = launcher.without_tma(bwd.dkdv).constexprs
-            assert not plain["USE_TMA"] and not plain["HOLD_TMA"]
+    for path, options in READ_PATHS.items():
+        flag = options["tma"]
+        bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, has_dlse=False, **options)
+        assert _read_path(bwd.dkdv) == path == _read_path(bwd.dq)
+        held = flag and hold and path == "device"  # held blocks: device descriptors only
+        assert bwd.dkdv.constexprs["HOLD_TMA"] == held == bwd.dq.constexprs["HOLD_TMA"]
+        if flag:  # the launcher's fallback for unaligned arrays turns every flag off
+            plain = launcher.without_tma(bwd.dkdv)
+            assert _read_path(plain) == "pointers" and not plain.constexprs["HOLD_TMA"]
         arrays = launch_arrays(q, k, v, out=out, lse=lse, dout=dout)
         for launch in bwd.launches:
             _launch.run(launch, arrays, DEVICE)
-        grads[flag] = [arrays[name] for name in ("dq", "dk", "dv")]
-    for plain, tma in zip(grads[False], grads[True]):
-        assert torch.equal(plain, tma)
+        grads[path] = [arrays[name] for name in ("dq", "dk", "dv")]
+    for path in READ_PATHS:
+        for name, a, b in zip(("dq", "dk", "dv"), grads["pointers"], grads[path]):
+            assert torch.equal(a, b), f"{name} through {path}"
     # Both front ends launch this table's kernels the same way: the same bits.
     _, _, t_grads = run_torch(q, k, v, dout, causal=causal)
     _, _, j_grads = run_jax(q, k, v, dout, causal=causal)

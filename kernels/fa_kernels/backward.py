@@ -70,15 +70,15 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_b
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WANT_DK: tl.constexpr,
-               WANT_DV: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
+               WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
     """Add one query block's share to dK and/or dV (tiles kept transposed: keys x
     queries); ``v`` is read only for dK."""
     rows = start_m + offs_m
     q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,
-                   True, USE_TMA)
+                   True, USE_TMA, HOST_TMA)
     do = load_block(do_source, start_m, offs_m, offs_d, stride_dom, seqlen_q, HEAD_DIM, BLOCK_D,
-                    True, USE_TMA)
+                    True, USE_TMA, HOST_TMA)
     lse, lse_lo, delta = load_row_stats(lse_base, lse_lo_base, delta_base, rows, seqlen_q,
                                         HAS_BIAS)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
@@ -113,6 +113,7 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_b
 @kernel
 def attention_backward_dkdv(
     Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    QBlocks, KBlocks, VBlocks, dOBlocks,
     softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
     window_left, window_right, seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
@@ -130,7 +131,8 @@ def attention_backward_dkdv(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
-    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, DKDV_PARTS: tl.constexpr,
+    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
+    DKDV_PARTS: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -164,7 +166,7 @@ def attention_backward_dkdv(
     batch64 = tl.cast(batch, tl.int64)
     for part in tl.static_range(DKDV_PARTS):  # each part its own specialised loop
         if tl.program_id(0) % DKDV_PARTS == part:
-            _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+            _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
                         batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
                         qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
                         window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
@@ -173,12 +175,12 @@ def attention_backward_dkdv(
                         stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
                         stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                         GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA,
+                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, HOST_TMA,
                         WANT_DK=part == DKDV_PARTS - 1, WANT_DV=part == 0)
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
                 batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
                 qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
                 window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
@@ -190,7 +192,8 @@ def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, st
                 GROUP_SIZE: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                HOLD_TMA: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+                HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr, WANT_DK: tl.constexpr,
+                WANT_DV: tl.constexpr):
     """dK and/or dV of the key block from ``start_n``: the loop over the query blocks that
     see it, for every query head of the GQA group, then the stores."""
     head_k64 = tl.cast(head_k, tl.int64)
@@ -205,17 +208,19 @@ def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, st
     # them, with no copy in registers (at D = 256 that halves the spills).
     k_row0 = k_start + tl.cast(start_n, tl.int64)
     k_source = block_source(K + batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn,
-                            seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
+                            KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N,
+                            BLOCK_D, HOLD_TMA, HOST_TMA)
     if WANT_DK:  # V is read for dK only
         v_source = block_source(
             V + batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
-            seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA)
+            VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA,
+            HOST_TMA)
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   True, HOLD_TMA)
+                   True, HOLD_TMA, HOST_TMA)
     v = k
     if WANT_DK:
         v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM,
-                       BLOCK_D, True, HOLD_TMA)
+                       BLOCK_D, True, HOLD_TMA, HOST_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -227,10 +232,12 @@ def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, st
         head64 = tl.cast(head, tl.int64)
         seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
         q_source = block_source(Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm,
-                                seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+                                QBlocks, batch, head, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M,
+                                BLOCK_D, USE_TMA, HOST_TMA)
         do_source = block_source(
             dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
-            seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+            dOBlocks, batch, head, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA,
+            HOST_TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
         lse_lo_base = LSELo + batch64 * stride_lb + head64 * stride_lh + q_start
         delta_base = Delta + batch64 * stride_lb + head64 * stride_lh + q_start
@@ -246,7 +253,7 @@ def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, st
                 qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
                 BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
+                HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOST_TMA, WANT_DK, WANT_DV)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
@@ -255,7 +262,7 @@ def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, st
                 qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
                 BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
+                HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOST_TMA, WANT_DK, WANT_DV)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
@@ -264,7 +271,7 @@ def _dkdv_block(Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, st
                 qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
                 seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
                 BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PRECISION, USE_TMA, WANT_DK, WANT_DV)
+                HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOST_TMA, WANT_DK, WANT_DV)
 
     if WANT_DK:
         store_tile(dK + batch64 * stride_dkb + head_k64 * stride_dkh + k_row0 * stride_dkn,
@@ -285,13 +292,14 @@ def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
              LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
              HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-             HAS_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+             HAS_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+             HOST_TMA: tl.constexpr):
     """Add one key block's share to dQ (and write its dZ when the bias needs a gradient)."""
     cols = start_n + offs_n
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   MASKED, USE_TMA)
+                   MASKED, USE_TMA, HOST_TMA)
     v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   MASKED, USE_TMA)
+                   MASKED, USE_TMA, HOST_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = scores(qk, rows[:, None], cols[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
                softcap_out, bias_base, stride_bm, stride_bn, slope,
@@ -316,6 +324,7 @@ def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias
 @kernel
 def attention_backward_dq(
     Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    QBlocks, KBlocks, VBlocks, dOBlocks,
     softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
     window_left, window_right, seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
@@ -334,6 +343,7 @@ def attention_backward_dq(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr, USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr,
+    HOST_TMA: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -367,21 +377,25 @@ def attention_backward_dq(
     q_row0 = q_start + tl.cast(start_m, tl.int64)
 
     q_source = block_source(Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm,
-                            seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA)
+                            QBlocks, batch, head, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M,
+                            BLOCK_D, HOLD_TMA, HOST_TMA)
     do_source = block_source(
         dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
-        seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA)
+        dOBlocks, batch, head, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA,
+        HOST_TMA)
     q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,
-                   True, HOLD_TMA)
+                   True, HOLD_TMA, HOST_TMA)
     do = load_block(do_source, start_m, offs_m, offs_d, stride_dom, seqlen_q, HEAD_DIM, BLOCK_D,
-                    True, HOLD_TMA)
+                    True, HOLD_TMA, HOST_TMA)
     row_base = batch64 * stride_lb + head64 * stride_lh + q_start
     lse, lse_lo, delta = load_row_stats(LSE + row_base, LSELo + row_base, Delta + row_base, rows,
                                         seqlen_q, HAS_BIAS)
     k_source = block_source(K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn,
-                            seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+                            KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N,
+                            BLOCK_D, USE_TMA, HOST_TMA)
     v_source = block_source(V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn,
-                            seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+                            VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N,
+                            BLOCK_D, USE_TMA, HOST_TMA)
     bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
     dbias_base = dBias + batch64 * stride_dbb + head64 * stride_dbh
     slope = 0.0
@@ -399,21 +413,24 @@ def attention_backward_dq(
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA,
+                      HOST_TMA)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA,
+                      HOST_TMA)
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
                       offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
                       seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
                       window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
                       mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA)
+                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA,
+                      HOST_TMA)
 
     dq = dq * softmax_scale
     store_tile(dQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqm,

@@ -27,11 +27,12 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
             LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
             HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
+            FOLD_SCALE: tl.constexpr):
     """Fold the key block starting at ``start_n`` into the running softmax."""
     cols = start_n + offs_n
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   MASKED, USE_TMA)
+                   MASKED, USE_TMA, HOST_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if FOLD_SCALE:  # plain scores, scale > 0: softmax_step applies it
         s = qk
@@ -47,14 +48,14 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
     v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   MASKED, USE_TMA)
+                   MASKED, USE_TMA, HOST_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
 @kernel
 def attention_forward(
-    Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, KBlocks, VBlocks,
     qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale, window_left, window_right,
     seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
@@ -72,7 +73,7 @@ def attention_forward(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, USE_TMA: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
+    HOST_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -149,8 +150,10 @@ def attention_forward(
     if SPLIT_KV:
         lo, full_lo, full_hi, hi = split_blocks(lo, full_lo, full_hi, hi, split, num_splits,
                                                 seqlen_k, BLOCK_N)
-    k_source = block_source(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_source = block_source(v_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_source = block_source(k_base, KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM,
+                            BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
+    v_source = block_source(v_base, VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM,
+                            BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -158,7 +161,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, FOLD_SCALE)
+            USE_TMA, HOST_TMA, FOLD_SCALE)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -166,7 +169,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, FOLD_SCALE)
+            USE_TMA, HOST_TMA, FOLD_SCALE)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -174,7 +177,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, FOLD_SCALE)
+            USE_TMA, HOST_TMA, FOLD_SCALE)
 
     # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0; a NaN in
     # its inputs stays NaN in both.

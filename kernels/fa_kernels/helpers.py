@@ -96,16 +96,22 @@ def store_rows(base, tile, row_offsets, row_ok, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def block_source(base, num_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+def block_source(base, blocks, batch, head, num_rows, stride_row, HEAD_DIM: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr,
+                 HOST_TMA: tl.constexpr):
     """Where a loop's blocks of one (rows, head_dim) slab come from (K and V in the forward
     and dQ, Q and dO in dK/dV): a tensor descriptor (TMA on Hopper: the copy engine
     fetches a block, and rows past ``num_rows`` or columns past HEAD_DIM arrive as 0)
-    or the plain base pointer."""
+    or the plain base pointer. With HOST_TMA the descriptor came from the host, over the
+    whole (batch, seqlen, heads, head_dim) array (``blocks``): the source is it and the
+    slab's (batch, head); made on the device, it needs scratch memory for each program."""
     if USE_TMA:
-        source = tl.make_tensor_descriptor(base, shape=[num_rows, HEAD_DIM],
-                                           strides=[stride_row, 1],
-                                           block_shape=[BLOCK_ROWS, BLOCK_D])
+        if HOST_TMA:
+            source = (blocks, tl.cast(batch, tl.int32), tl.cast(head, tl.int32))
+        else:
+            source = tl.make_tensor_descriptor(base, shape=[num_rows, HEAD_DIM],
+                                               strides=[stride_row, 1],
+                                               block_shape=[BLOCK_ROWS, BLOCK_D])
     else:
         source = base
     return source
@@ -113,10 +119,15 @@ def block_source(base, num_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS:
 
 @triton.jit
 def load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+               BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr,
+               HOST_TMA: tl.constexpr):
     """The (rows, BLOCK_D) block of a ``block_source`` from row ``start``, 0 past the end."""
     if USE_TMA:
-        block = source.load([start, 0])
+        if HOST_TMA:
+            blocks, batch, head = source
+            block = blocks.load([batch, start, head, 0]).reshape([offs_row.shape[0], BLOCK_D])
+        else:
+            block = source.load([start, 0])
     else:
         block = load_tile(source + tl.cast(start, tl.int64) * stride_row, offs_row, offs_d,
                           stride_row, num_rows - start, HEAD_DIM, BLOCK_D, CHECK_ROWS)

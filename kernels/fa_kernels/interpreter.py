@@ -127,6 +127,19 @@ def _unwrap_constexpr_arithmetic(tl) -> None:
         setattr(tl.constexpr, name, operator)
 
 
+class HostDtype(str):
+    """A plan dtype name ("bfloat16") that also answers what Triton's ``TensorDescriptor``
+    asks of its array's dtype."""
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self).itemsize if self != "bfloat16" else 2
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.startswith(("float", "bfloat"))
+
+
 class HostArray:
     """Host memory at an address, as Triton's interpreter takes a launch argument.
 
@@ -139,7 +152,7 @@ class HostArray:
     __slots__ = ("address", "shape", "dtype")
 
     def __init__(self, address: int, shape, dtype: str):
-        self.address, self.shape, self.dtype = int(address or 0), tuple(shape), dtype
+        self.address, self.shape, self.dtype = int(address or 0), tuple(shape), HostDtype(dtype)
 
     def data_ptr(self) -> int:
         return self.address

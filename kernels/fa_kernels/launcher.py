@@ -13,7 +13,9 @@ straight to the kernel it returned.
 Arrays are anything with ``data_ptr()`` and ``dtype`` (torch tensors; in the
 interpreter, ``interpreter.HostArray``). Triton imports here; torch and jax do not: a
 kernel that builds tensor descriptors on the device needs scratch memory, which the
-caller's ``allocate`` gives.
+caller's ``allocate`` gives. Descriptors the plan has made on the host
+(``plan.Blocks``) are Triton's ``TensorDescriptor`` over the input array, built for
+each call (their address is the array's).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import functools
 import threading
 
 from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import registry
 
@@ -32,8 +35,9 @@ _MAX_ENTRIES = 8192  # plans are cached up to 4096 each way; past this, start ov
 
 
 def _key(launch, arrays, device) -> tuple:
-    return (id(launch), device,
-            *[(str(a.dtype), a.data_ptr() % 16 == 0) for a in arrays])
+    return (id(launch), device,  # a descriptor's array is among the inputs
+            *[(str(a.dtype), a.data_ptr() % 16 == 0) for a in arrays
+              if not isinstance(a, TensorDescriptor)])
 
 
 _WITHOUT_TMA: dict = {}
@@ -45,11 +49,12 @@ def without_tma(launch):
     if entry is None:
         if len(_WITHOUT_TMA) >= _MAX_ENTRIES:
             _WITHOUT_TMA.clear()
-        constexprs = dict(launch.constexprs, USE_TMA=False)
+        constexprs = dict(launch.constexprs, USE_TMA=False, HOST_TMA=False)
         if "HOLD_TMA" in constexprs:
             constexprs["HOLD_TMA"] = False
-        entry = _WITHOUT_TMA[id(launch)] = (launch, dataclasses.replace(launch,
-                                                                        constexprs=constexprs))
+        plain = dataclasses.replace(launch, constexprs=constexprs,
+                                    blocks=tuple(b.plain() for b in launch.blocks))
+        entry = _WITHOUT_TMA[id(launch)] = (launch, plain)
     return entry[1]
 
 
@@ -66,6 +71,14 @@ def fit_to_arrays(launch, inputs: list):
     return launch
 
 
+def block_arguments(launch, inputs: list) -> list:
+    """The kernel's ``*Blocks`` arguments: each input array, or a descriptor over it."""
+    arrays = dict(zip(launch.inputs, inputs))
+    return [TensorDescriptor(arrays[b.array], list(b.shape), list(b.strides),
+                             list(b.block_shape)) if b.host_descriptor else arrays[b.array]
+            for b in launch.blocks]
+
+
 def launch(launch, inputs: list, outputs: list, device: int | None, allocate=None) -> None:
     """Launch ``launch`` on ``device`` (the current CUDA device, on its current stream; None:
     Triton's interpreter, on host memory): ``inputs`` in ``launch.inputs`` order,
@@ -73,6 +86,7 @@ def launch(launch, inputs: list, outputs: list, device: int | None, allocate=Non
     device scratch memory (anything with ``data_ptr()``) for kernels that build tensor
     descriptors."""
     launch = fit_to_arrays(launch, inputs)
+    inputs = [*inputs, *block_arguments(launch, inputs)]
     if device is None:  # Triton's interpreter (its kernels are never cached)
         scalars = registry.scalar_arguments(launch)
         with _INTERPRETER_LOCK:
@@ -80,7 +94,8 @@ def launch(launch, inputs: list, outputs: list, device: int | None, allocate=Non
                 *inputs, *scalars, *outputs, num_warps=launch.num_warps,
                 num_stages=launch.num_stages, **launch.constexprs)
         return
-    if not (launch.constexprs.get("USE_TMA") and allocate is not None):
+    device_descriptors = launch.constexprs.get("USE_TMA") and not launch.constexprs.get("HOST_TMA")
+    if not (device_descriptors and allocate is not None):
         return _launch(launch, inputs, outputs, device)
     # Triton asks its (context-local) allocator for the scratch: set it for this launch only.
     token = _allocation._allocator.set(allocate)

@@ -12,8 +12,8 @@ local memory: spilled registers), as ``cuobjdump`` reads them from the cubin.
     TRITON_INTERPRET=0 python -m fa_kernels.offline [--capability 9.0] [--quick]
     TRITON_INTERPRET=0 python -m fa_kernels.offline --compare-launchers [--quick]
 
-``--compare-launchers`` compiles the launches fa_jax makes on the GPU (no tensor
-descriptors) twice, with the argument attributes of Triton's JIT (fa_torch) and of
+``--compare-launchers`` compiles the launches fa_jax makes on the GPU (tensor
+descriptors made on the host, none made on the device) twice, with the argument attributes of Triton's JIT (fa_torch) and of
 jax_triton (fa_jax), and compares the PTX: the same code gives the same bits. With a
 bias the code may differ (Triton's JIT also knows the bias strides' divisibility); the
 instruction counts still match.
@@ -64,7 +64,11 @@ def specialise(launch, dtypes: dict, launcher: str = "jit"):
     arrays = [dtypes.get(name, "float32") for name in launch.inputs]
     arrays_out = [o.dtype for o in launch.outputs]
     scalars = scalar_arguments(launch)
-    values = ([("array", d) for d in arrays] + [("scalar", s) for s in scalars]
+    blocks = [("descriptor", f"tensordesc<{POINTER_TYPES[dtypes[b.array]][1:]}"
+                             f"[{','.join(map(str, b.block_shape))}]>")
+              if b.host_descriptor else ("array", dtypes.get(b.array, "float32"))
+              for b in launch.blocks]
+    values = ([("array", d) for d in arrays] + blocks + [("scalar", s) for s in scalars]
               + [("array", d) for d in arrays_out])
     signature, constexprs, attrs = {}, dict(launch.constexprs), {}
     for index, name in enumerate(kernel.arg_names):
@@ -72,7 +76,9 @@ def specialise(launch, dtypes: dict, launcher: str = "jit"):
             signature[name] = "constexpr"
             continue
         kind, value = values[index]
-        if kind == "array":
+        if kind == "descriptor":
+            signature[name], spec = value, ""
+        elif kind == "array":
             signature[name], spec = POINTER_TYPES[value], "D"
         elif launcher == "jax_triton":
             if value == 1:
@@ -266,7 +272,8 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
 
 def ptx_counts(ptx: str) -> dict:
     """The instructions that tell how a kernel moves its tiles and multiplies them."""
-    return {"cp.async.cg": len(re.findall(r"cp\.async\.cg", ptx)),
+    return {"cp.async.bulk.tensor": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+            "cp.async.cg": len(re.findall(r"cp\.async\.cg", ptx)),
             "ld.global": len(re.findall(r"ld\.global", ptx)),
             "ld.global.v4": len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
@@ -296,8 +303,8 @@ def compare_launchers(capability: tuple[int, int], quick: bool = False, out=sys.
     option: the bias strides, which only Triton's JIT marks, are allowed to)."""
     differ = 0
     for name, problem in list(launcher_variants(capability))[:2 if quick else None]:
-        fwd = fa_plan.forward_plan(problem, capability=capability, tma=False)
-        bwd = fa_plan.backward_plan(problem, capability=capability, tma=False,
+        fwd = fa_plan.forward_plan(problem, capability=capability, device_descriptors=False)
+        bwd = fa_plan.backward_plan(problem, capability=capability, device_descriptors=False,
                                     bias_grad=problem.bias_shape is not None)
         dtypes = input_dtypes(problem, (fwd, bwd))
         for launch in (*fwd.launches, *bwd.launches):

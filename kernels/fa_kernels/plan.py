@@ -4,13 +4,15 @@ Pure Python on ints and strings, shared by fa_torch, fa_jax and the tests; nothi
 else computes a grid or a stride. A front end converts its arrays, asks for a plan
 and launches each ``Launch`` in order:
 
-    kernel(name)[grid](*inputs, *scalars, *outputs, **constexprs,
+    kernel(name)[grid](*inputs, *blocks, *scalars, *outputs, **constexprs,
                        num_warps=..., num_stages=...)
 
 which is also the argument order ``jax_triton.triton_call`` uses (arrays and
 scalars positionally, outputs appended, constexprs as keywords). Inputs and outputs
-follow the kernel's array parameters in order; ``scalars`` are named by the kernel's
-parameter names, and ``registry.scalar_arguments`` puts them in its order. Inputs a problem
+follow the kernel's array parameters in order; ``blocks`` are the kernel's ``*Blocks``
+parameters (``Blocks``: an input array, or a tensor descriptor over it that the front
+end builds on the host); ``scalars`` are named by the kernel's parameter names, and
+``registry.scalar_arguments`` puts them in its order. Inputs a problem
 does not use (no bias, no dropout...) are still passed, as any 1-element array:
 their constexpr flag is off, so the kernel never touches them.
 
@@ -54,6 +56,26 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Blocks:
+    """What a kernel's ``*Blocks`` parameter receives: the input ``array`` itself (no
+    ``block_shape``: the kernel reads it through pointers or builds descriptors on the
+    device), or a tensor descriptor over it made on the host, (batch, seqlen, heads,
+    head_dim) with these element strides, read a (1, rows, 1, BLOCK_D) block at a time.
+    Host descriptors need no device scratch; jax-triton 0.4 encodes them per launch."""
+    array: str
+    shape: Shape = ()
+    strides: Shape = ()
+    block_shape: Shape | None = None
+
+    @property
+    def host_descriptor(self) -> bool:
+        return self.block_shape is not None
+
+    def plain(self) -> "Blocks":
+        return Blocks(self.array)
+
+
+@dataclass(frozen=True)
 class Launch:
     kernel: str
     grid: tuple[int, int, int]
@@ -63,6 +85,7 @@ class Launch:
     constexprs: dict = field(hash=False)
     num_warps: int
     num_stages: int
+    blocks: tuple[Blocks, ...] = ()  # the kernel's *Blocks parameters, in order
 
     @property
     def empty(self) -> bool:
@@ -75,7 +98,9 @@ class Launch:
                                scalars=self.scalars,
                                outputs=[[o.name, o.shape, o.dtype, o.zeroed] for o in self.outputs],
                                constexprs=self.constexprs, num_warps=self.num_warps,
-                               num_stages=self.num_stages), sort_keys=True)
+                               num_stages=self.num_stages,
+                               blocks=[[b.array, b.shape, b.strides, b.block_shape]
+                                       for b in self.blocks]), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Launch":
@@ -85,7 +110,10 @@ class Launch:
                    outputs=tuple(Output(n, tuple(shape), dtype, zeroed)
                                  for n, shape, dtype, zeroed in d["outputs"]),
                    constexprs=d["constexprs"], num_warps=d["num_warps"],
-                   num_stages=d["num_stages"])
+                   num_stages=d["num_stages"],
+                   blocks=tuple(Blocks(a, tuple(shape), tuple(strides),
+                                       None if block is None else tuple(block))
+                                for a, shape, strides, block in d["blocks"]))
 
 
 @dataclass(frozen=True)
@@ -552,14 +580,42 @@ def _use_tma(cfg, override: bool | None, capability, dtype: str,
     return bool(wanted) and _descriptors_allowed(capability, dtype, *strides)
 
 
+def _host_descriptors_allowed(p: "AttentionProblem", host: bool, *strides) -> bool:
+    """Descriptors over whole (batch, seqlen, heads, head_dim) arrays, made on the host,
+    can stand for the device-made ones: not for packed varlen batches (a sequence's blocks
+    must end at its own last row) nor broadcast arrays (a stride of 0)."""
+    return host and not p.varlen and all(s > 0 for st in strides for s in st)
+
+
+def _descriptor_flags(use: bool, hold: bool, host: bool, device: bool) -> dict:
+    """USE_TMA / HOLD_TMA (streamed / held blocks through descriptors) and HOST_TMA (the
+    descriptors come as arguments), where the caller allows the kind they need. A held
+    block read through a host descriptor reaches its matmuls through registers (Triton
+    3.6-3.9 keep only the device descriptor's 2-D block in shared memory; the host one is
+    4-D and reshaped), which spills more than a pointer load: held blocks then come
+    through pointers (benchmarks/NOTES.md)."""
+    if not (host or device):
+        use = hold = False
+    return dict(USE_TMA=use, HOLD_TMA=hold and not host, HOST_TMA=host and use)
+
+
 def _tma_flags(cfg, override: bool | None, capability, dtype: str, streamed: tuple,
-               held: tuple) -> dict:
+               held: tuple, host: bool, device: bool) -> dict:
     """A backward kernel's descriptor flags: USE_TMA for the blocks it streams, HOLD_TMA
     for those it holds (only with USE_TMA, as the entry's ``hold_tma`` says, and where
-    their strides allow it too)."""
+    their strides allow it too), HOST_TMA when they are made on the host."""
     use = _use_tma(cfg, override, capability, dtype, *streamed)
     hold = use and cfg.hold_tma and _descriptors_allowed(capability, dtype, *held)
-    return dict(USE_TMA=use, HOLD_TMA=hold)
+    return _descriptor_flags(use, hold, host, device)
+
+
+def _blocks(p: "AttentionProblem", on: bool, block_d: int, *arrays) -> tuple:
+    """A kernel's ``*Blocks`` arguments: per (name, shape, (batch, seq, head) strides,
+    rows a block), a host descriptor where ``on``, else the array itself."""
+    if not on:
+        return tuple(Blocks(name) for name, *_ in arrays)
+    return tuple(Blocks(name, tuple(shape), (*st, 1), (1, rows, 1, block_d))
+                 for name, shape, st, rows in arrays)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -659,7 +715,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                  q_strides: Shape | None = None, k_strides: Shape | None = None,
                  v_strides: Shape | None = None, bias_strides: Shape | None = None,
                  num_sms: int | None = None, num_splits: int | None = None,
-                 tma: bool | None = None) -> ForwardPlan:
+                 tma: bool | None = None, host_descriptors: bool = True,
+                 device_descriptors: bool = True) -> ForwardPlan:
     """How to launch the forward. ``capability`` is the GPU's (major, minor), None
     for the CPU interpreter. Strides are in elements; None means contiguous.
 
@@ -667,17 +724,22 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     the keys across programs (split-KV, then a combine kernel); None never splits.
     ``num_splits`` forces a split count (tests; 1: none). ``tma`` overrides the table's
     choice of tensor-descriptor K/V loads (tests run that path in the interpreter too);
-    either way they need K/V strides of whole 16-byte units."""
+    either way they need K/V strides of whole 16-byte units. Descriptors are made on the
+    host where they can be (``_host_descriptors_allowed``) and ``host_descriptors``
+    allows, else on the device where ``device_descriptors`` allows (that needs scratch
+    memory from the launcher), else the blocks come through pointers."""
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
     k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen)
     v_st = _bsh(_strides("v", p.kv_shape, v_strides), p.varlen)
     o_st = _bsh(contiguous_strides(p.out_shape), p.varlen)
     l_st = (0, p.total_q) if p.varlen else contiguous_strides(p.lse_shape)[:2]
+    host = _host_descriptors_allowed(p, host_descriptors, k_st, v_st)
     packed = pack_gqa(p)
     rows, heads = (p.seqlen_q * p.group_size, p.heads_k) if packed else (p.seqlen_q, p.heads_q)
     cfg = tile_config("forward", p.block_d, p.dtype, rows, p.seqlen_k, capability,
-                      bias_item=p.bias_item, causal=p.causal, descriptors=tma is not False)
+                      bias_item=p.bias_item, causal=p.causal,
+                      descriptors=tma is not False and (host or device_descriptors))
     blocks = _cdiv(rows, cfg.block_m)
     key_blocks = _cdiv(p.seqlen_k, cfg.block_n) if cfg.block_n else 0
     if num_splits is None:
@@ -688,7 +750,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         # One key block: nothing to stream, so no descriptors unless a caller asks
         # (ptxas 12.8 crashes on the D = 256 causal forward with seqlen_k = 1 through them).
         tma = False
-    use_tma = _use_tma(cfg, tma, capability, p.dtype, k_st, v_st)
+    flags = _descriptor_flags(_use_tma(cfg, tma, capability, p.dtype, k_st, v_st), False,
+                              host, device_descriptors)
     # Varlen: rows that device-side cu_seqlens leave uncovered (bad values, clamped in the
     # kernels) read as zeros, never as uninitialised memory.
     results = (Output("out", p.out_shape, p.dtype, zeroed=p.varlen),
@@ -716,10 +779,12 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
                         DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
-                        PACK_GQA=packed, SPLIT_KV=split, USE_TMA=use_tma,
-                        FOLD_SCALE=fold_scale(p)),
+                        PACK_GQA=packed, SPLIT_KV=split, USE_TMA=flags["USE_TMA"],
+                        HOST_TMA=flags["HOST_TMA"], FOLD_SCALE=fold_scale(p)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        blocks=_blocks(p, flags["HOST_TMA"], p.block_d, ("k", p.kv_shape, k_st, cfg.block_n),
+                       ("v", p.kv_shape, v_st, cfg.block_n)),
     )
     combine = None
     if split:
@@ -747,7 +812,9 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                   v_strides: Shape | None = None, out_strides: Shape | None = None,
                   dout_strides: Shape | None = None, bias_strides: Shape | None = None,
                   bias_grad: bool = False, has_dlse: bool = True,
-                  tma: bool | None = None, apart: bool | None = None) -> BackwardPlan:
+                  tma: bool | None = None, apart: bool | None = None,
+                  host_descriptors: bool = True,
+                  device_descriptors: bool = True) -> BackwardPlan:
     """How to launch the backward: D = rowsum(dO * O) - dLSE, then dK/dV, then dQ.
 
     Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse (the LSE's
@@ -758,7 +825,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     ``tma`` overrides the table's choice of tensor-descriptor loads for the blocks the
     dK/dV and dQ kernels stream; the blocks they hold come through descriptors too where
     the entry's ``hold_tma`` says so. Either way a block read through descriptors needs
-    strides of whole 16-byte units. ``apart`` overrides the dK/dV entry's choice of
+    strides of whole 16-byte units; ``host_descriptors`` and ``device_descriptors`` say
+    where they may be made, as in ``forward_plan``. ``apart`` overrides the dK/dV entry's choice of
     programs apart for dK and dV (two a key block).
     """
     p = problem
@@ -793,6 +861,15 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                           **_named("v", v_st, "bnh"), **_named("do", do_st, "bmh"),
                           **_named("l", l_st, "bh"), **_bias_alibi_scalars(p, bias_strides))
     aligned = _aligned(q_st, k_st, v_st, do_st, dq_st, dkv_st)
+    host = _host_descriptors_allowed(p, host_descriptors, q_st, k_st, v_st, do_st)
+
+    def blocks(flags, streamed, block_q, block_k):  # (q, k, v, dout): streamed or held
+        on = {name: flags["HOST_TMA"] and (flags["USE_TMA"] if name in streamed
+                                           else flags["HOLD_TMA"])
+              for name in ("q", "k", "v", "dout")}
+        arrays = (("q", p.q_shape, q_st, block_q), ("k", p.kv_shape, k_st, block_k),
+                  ("v", p.kv_shape, v_st, block_k), ("dout", p.out_shape, do_st, block_q))
+        return tuple(_blocks(p, on[a[0]], p.block_d, a)[0] for a in arrays)
 
     def constexprs(cfg, **extra):
         return dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
@@ -801,8 +878,11 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
 
     bias_grad = bool(bias_grad and p.bias_shape is not None)
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
-                     bias_item=p.bias_item, causal=p.causal, descriptors=tma is not False)
+                     bias_item=p.bias_item, causal=p.causal,
+                     descriptors=tma is not False and (host or device_descriptors))
     parts = 2 if (kv.apart if apart is None else apart) else 1  # dV and dK apart: two
+    kv_flags = _tma_flags(kv, tma, capability, p.dtype, streamed=(q_st, do_st),
+                          held=(k_st, v_st), host=host, device=device_descriptors)
     dkdv = Launch(
         kernel="attention_backward_dkdv",
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
@@ -810,18 +890,19 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         scalars=dict(common_scalars, **_named("dk", dkv_st, "bnh"), **_named("dv", dkv_st, "bnh")),
         outputs=(Output("dk", p.kv_shape, p.dtype, zeroed=p.varlen),
                  Output("dv", p.kv_shape, p.dtype, zeroed=p.varlen)),
-        constexprs=constexprs(kv, **_tma_flags(kv, tma, capability, p.dtype,
-                                               streamed=(q_st, do_st), held=(k_st, v_st)),
-                              DKDV_PARTS=parts),
+        constexprs=constexprs(kv, **kv_flags, DKDV_PARTS=parts),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
+        blocks=blocks(kv_flags, ("q", "dout"), kv.block_m, kv.block_n),
     )
     dbias = (Output("dbias", p.dbias_shape, "float32", zeroed=True) if bias_grad
              else Output("dbias", (1,), "float32"))
     dbias_st = contiguous_strides(p.dbias_shape)[:3] if bias_grad else (0, 0, 0)
     qc = tile_config("dq", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
                      bias_item=p.bias_item, bias_grad=bias_grad, causal=p.causal,
-                     descriptors=tma is not False)
+                     descriptors=tma is not False and (host or device_descriptors))
+    q_flags = _tma_flags(qc, tma, capability, p.dtype, streamed=(k_st, v_st),
+                         held=(q_st, do_st), host=host, device=device_descriptors)
     dq = Launch(
         kernel="attention_backward_dq",
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),
@@ -829,11 +910,10 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         scalars=dict(common_scalars, **_named("dq", dq_st, "bmh"),
                      **_named("db", dbias_st, "bhm")),
         outputs=(Output("dq", p.q_shape, p.dtype, zeroed=p.varlen), dbias),
-        constexprs=constexprs(qc, HAS_DBIAS=bias_grad,
-                              **_tma_flags(qc, tma, capability, p.dtype,
-                                           streamed=(k_st, v_st), held=(q_st, do_st))),
+        constexprs=constexprs(qc, HAS_DBIAS=bias_grad, **q_flags),
         num_warps=qc.num_warps,
         num_stages=qc.num_stages,
+        blocks=blocks(q_flags, ("k", "v"), qc.block_m, qc.block_n),
     )
     return BackwardPlan(problem, preprocess, dkdv, dq)
 

@@ -25,12 +25,12 @@ KERNELS = {
 
 
 def scalar_arguments(launch) -> tuple:
-    """``launch.scalars`` in its kernel's parameter order (they follow the inputs and
-    precede the outputs). A name the kernel does not take, or one it takes that the
+    """``launch.scalars`` in its kernel's parameter order (they follow the inputs and the
+    ``*Blocks`` parameters, and precede the outputs). A name the kernel does not take, or one it takes that the
     launch lacks, is a TypeError here rather than a shifted argument in the kernel."""
     kernel = KERNELS[launch.kernel]
     names = [n for n in kernel.arg_names if n not in launch.constexprs]
-    names = names[len(launch.inputs):len(names) - len(launch.outputs)]
+    names = names[len(launch.inputs) + len(launch.blocks):len(names) - len(launch.outputs)]
     if set(names) != set(launch.scalars) or len(names) != len(launch.scalars):
         raise TypeError(f"{launch.kernel} takes the scalars {names}; the launch has "
                         f"{list(launch.scalars)}")
