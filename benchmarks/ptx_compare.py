@@ -2,8 +2,9 @@
 
 Runs one forward+backward through fa_jax (jitted; jax_triton writes each kernel's PTX
 under JAX_TRITON_DUMP_DIR) and the same plan's launches through fa_torch's launcher
-(Triton's JIT), both with fa_jax's plan options (no tensor descriptors: no jax-triton
-release gives their scratch inside a jitted program), then prints for the forward, dK/dV
+(Triton's JIT), both with fa_jax's plan options (tensor descriptors made on the host with
+jax-triton 0.4, none with 0.3.1; never built on the device, whose scratch no jax-triton
+release gives inside a jitted program), then prints for the forward, dK/dV
 and dQ kernels the instruction counts of each PTX (``fa_kernels.offline.ptx_counts``), the spills the same ptxas reports for
 each, whether the code is the same, and whether the outputs are bitwise equal.
 

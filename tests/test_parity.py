@@ -26,7 +26,8 @@ def test_torch_jax_bitwise(dtype, causal, shape):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_torch_jax_bitwise_at_the_main_tiles(causal, head_dim):
-    # Lengths that the main table serves: fa_torch's descriptor tiles against fa_jax's
-    # pointer tiles (configs._GPU_16BIT_POINTER), which differ only in tile sizes a
-    # program: the same sums in the same order, the same bits.
+    # Lengths that the main table serves: fa_torch's descriptor tiles against fa_jax's,
+    # host descriptors under jax-triton 0.4 or pointer tiles under 0.3.1
+    # (configs._GPU_16BIT_POINTER), which differ only in tile sizes a program: the same
+    # sums in the same order, the same bits.
     test_torch_jax_bitwise("bfloat16", causal, (1, 2048, 2048, 4, 2, head_dim))

@@ -288,8 +288,8 @@ def test_few_rows_entries(monkeypatch):
 
 def test_held_blocks_through_descriptors_as_the_entry_says():
     # USE_TMA: the streamed blocks; HOLD_TMA: the held ones, only with USE_TMA and as the
-    # entry's hold_tma says (the H200's D = 64 dK/dV keeps K/V in registers), and only
-    # through descriptors made on the device: with host ones, held blocks use pointers.
+    # entry's hold_tma says (the H200's D = 64 dK/dV keeps K/V in registers). Host
+    # descriptors hold them through a 2-D view of the rows, streamed ones are 4-D.
     from fa_kernels import configs
 
     for head_dim in (64, 128, 256):
@@ -301,10 +301,44 @@ def test_held_blocks_through_descriptors_as_the_entry_says():
                 entry = configs.table_entry(kernel, head_dim, "bfloat16", 4096, 4096)
                 flags = getattr(bwd, kernel).constexprs
                 assert flags["USE_TMA"] == entry.tma and flags["HOST_TMA"] == (host and entry.tma)
-                assert flags["HOLD_TMA"] == (entry.tma and entry.hold_tma and not host)
+                assert flags["HOLD_TMA"] == (entry.tma and entry.hold_tma)
+                held = ("k", "v") if kernel == "dkdv" else ("q", "dout")
+                for blocks in getattr(bwd, kernel).blocks:
+                    if not flags["HOST_TMA"] or (blocks.array in held and not flags["HOLD_TMA"]):
+                        assert not blocks.host_descriptor
+                    elif blocks.array in held:  # (B·S, H·D), one row per token
+                        assert blocks.shape == (2 * 4096, 4 * head_dim)
+                        assert blocks.strides == (4 * head_dim, 1)
+                        assert blocks.block_shape[1] == head_dim
+                    else:
+                        assert blocks.shape == shape and len(blocks.block_shape) == 4
         ampere = plan.backward_plan(p, capability=(8, 0))
         assert not ampere.dkdv.constexprs["HOLD_TMA"] and not ampere.dq.constexprs["HOLD_TMA"]
     assert not configs.table_entry("dkdv", 64, "bfloat16", 4096, 4096).hold_tma
+
+
+@pytest.mark.parametrize("layout, expected", [
+    # (B, S, H, D): heads side by side in a row of H·D; rows B·S
+    ((2, 100, 4, 64), (200, 256)),
+    # (B, H, S, D) memory seen as (B, S, H, D): one head's rows after another's
+    ((2, 100, 4, 64, "bhsd"), (800, 64)),
+    # K of a fused (B, S, 3, H, D) QKV: row pitch 3·H·D, the view H·D wide
+    ((2, 100, 4, 64, "qkv"), (200, 256)),
+    ((2, 100, 4, 80), None),  # BLOCK_D 128 > 80: a block would take the next head's columns
+])
+def test_held_blocks_view_the_rows_as_memory_lays_them(layout, expected):
+    batch, seqlen, heads, head_dim, *kind = layout
+    strides = {(): (seqlen * heads * head_dim, heads * head_dim, head_dim),
+               ("bhsd",): (heads * seqlen * head_dim, head_dim, seqlen * head_dim),
+               ("qkv",): (seqlen * 3 * heads * head_dim, 3 * heads * head_dim, head_dim)}
+    st = strides[tuple(kind)]
+    block_d = 128 if head_dim == 80 else head_dim
+    view = plan._flat_rows((batch, seqlen, heads, head_dim), st, block_d)
+    assert view == expected
+    if view is not None:  # the view ends at the array's last element
+        rows, width = view
+        last = (batch - 1) * st[0] + (seqlen - 1) * st[1] + (heads - 1) * st[2] + head_dim - 1
+        assert (rows - 1) * st[1] + width - 1 == last
 
 
 def test_held_blocks_need_their_own_strides_aligned():

@@ -183,7 +183,7 @@ def test_descriptor_backward_gives_the_same_bits(replace_entries, causal, hold):
         flag = options["tma"]
         bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, has_dlse=False, **options)
         assert _read_path(bwd.dkdv) == path == _read_path(bwd.dq)
-        held = flag and hold and path == "device"  # held blocks: device descriptors only
+        held = flag and hold  # host descriptors hold blocks through their 2-D view
         assert bwd.dkdv.constexprs["HOLD_TMA"] == held == bwd.dq.constexprs["HOLD_TMA"]
         if flag:  # the launcher's fallback for unaligned arrays turns every flag off
             plain = launcher.without_tma(bwd.dkdv)
@@ -200,6 +200,54 @@ def test_descriptor_backward_gives_the_same_bits(replace_entries, causal, hold):
     _, _, j_grads = run_jax(q, k, v, dout, causal=causal)
     for name, a, b in zip(("dq", "dk", "dv"), t_grads, j_grads):
         assert torch.equal(a.cpu(), b.cpu()), f"{name} differs between fa_torch and fa_jax"
+
+
+def _strided_views(layout, q, k, v, dout):
+    """q, k, v, dout with the same values, laid out in memory as ``layout`` says."""
+    if layout == "bhsd":  # (B, H, S, D) memory seen as (B, S, H, D)
+        return [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, dout)]
+    # "qkv": q, k, v slices of one fused (B, S, 3, H, D) tensor
+    fused = torch.stack((q, k, v), dim=2)
+    return [fused[:, :, 0], fused[:, :, 1], fused[:, :, 2], dout]
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("layout", ["bhsd", "qkv"])
+def test_held_blocks_through_host_descriptors_of_any_layout(replace_entries, layout):
+    # Held blocks come through a 2-D host descriptor over the rows as memory lays them
+    # out; the rows past a sequence's end are another head's or batch entry's, here
+    # made infinite so that any of them reaching a stored value would show.
+    from fa_torch import _launch
+
+    replace_entries(("dkdv", "dq"), tma=True, hold_tma=True)
+    seqlen = 700 if ON_GPU else 90
+    q, k, v = random_qkv(2, seqlen, seqlen, 4, 4, 64, "bfloat16", seed=21)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q)
+    q, k, v, dout = _strided_views(layout, q, k, v, dout)
+    with torch.no_grad():  # batch entry 1, head 3: what the others' blocks run into
+        for x in (q, k, v, dout):
+            x[1, :, 3] = float("inf")
+    problem = fa_plan.check_problem(q.shape, k.shape, v.shape, "bfloat16", "bfloat16",
+                                    "bfloat16")
+    strides = {f"{name}_strides": x.stride() for name, x in
+               (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    fwd = fa_plan.forward_plan(problem, capability=CAPABILITY, q_strides=q.stride(),
+                               k_strides=k.stride(), v_strides=v.stride())
+    out, lse = forward_plan_torch(fwd, launch_arrays(q, k, v))
+    grads = {}
+    for path in ("pointers", "host"):
+        bwd = fa_plan.backward_plan(problem, capability=CAPABILITY, has_dlse=False,
+                                    out_strides=out.stride(), **strides, **READ_PATHS[path])
+        assert _read_path(bwd.dkdv) == path
+        assert bwd.dkdv.constexprs["HOLD_TMA"] == bwd.dq.constexprs["HOLD_TMA"] == (path == "host")
+        arrays = launch_arrays(q, k, v, out=out, lse=lse, dout=dout)
+        for launch in bwd.launches:
+            _launch.run(launch, arrays, DEVICE)
+        grads[path] = [arrays[name] for name in ("dq", "dk", "dv")]
+    for name, a, b in zip(("dq", "dk", "dv"), grads["pointers"], grads["host"]):
+        assert torch.isfinite(a[0]).all() and torch.isfinite(a[1, :, :3]).all(), name
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
+                                   msg=f"{name} through host descriptors, {layout}")
 
 
 @pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")

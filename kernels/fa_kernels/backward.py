@@ -21,9 +21,9 @@ The outflow rule: scores are scaled once in fp32, and the remaining factors
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, block_source, dropout_keep, kernel, key_blocks, load_block,
-                      load_row_stats, load_seed, load_tile, probabilities, query_blocks, scores, sequence_bounds,
-                      softcap_slope, store_tile, visible)
+from .helpers import (aligned, block_source, dropout_keep, held_block_source, kernel, key_blocks,
+                      load_block, load_row_stats, load_seed, load_tile, probabilities,
+                      query_blocks, scores, sequence_bounds, softcap_slope, store_tile, visible)
 
 
 @kernel
@@ -202,17 +202,18 @@ def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, 
     offs_d = tl.arange(0, BLOCK_D)
     cols = start_n + offs_n
 
-    # Key rows past seqlen_k read as 0. They need no mask here: a key column of dS
-    # only reaches its own rows of dK and dV, and those rows are not stored. Through a
-    # descriptor (HOLD_TMA) the held K and V land in shared memory, where the matmuls read
-    # them, with no copy in registers (at D = 256 that halves the spills).
+    # Key rows past seqlen_k need no mask (they read as 0, or as the next rows in memory
+    # through a host descriptor): a key column of dS only reaches its own rows of dK and
+    # dV, and those rows are not stored. Through a descriptor (HOLD_TMA) the held K and V
+    # land in shared memory, where the matmuls read them, with no copy in registers (at
+    # D = 256 that halves the spills).
     k_row0 = k_start + tl.cast(start_n, tl.int64)
-    k_source = block_source(K + batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn,
-                            KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N,
-                            BLOCK_D, HOLD_TMA, HOST_TMA)
+    k_source = held_block_source(
+        K, batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn, KBlocks, batch,
+        head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA, HOST_TMA)
     if WANT_DK:  # V is read for dK only
-        v_source = block_source(
-            V + batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
+        v_source = held_block_source(
+            V, batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
             VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA,
             HOST_TMA)
     k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
@@ -376,11 +377,11 @@ def attention_backward_dq(
     rows = start_m + offs_m
     q_row0 = q_start + tl.cast(start_m, tl.int64)
 
-    q_source = block_source(Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm,
-                            QBlocks, batch, head, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M,
-                            BLOCK_D, HOLD_TMA, HOST_TMA)
-    do_source = block_source(
-        dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
+    q_source = held_block_source(
+        Q, batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm, QBlocks, batch,
+        head, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA, HOST_TMA)
+    do_source = held_block_source(
+        dOut, batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
         dOBlocks, batch, head, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA,
         HOST_TMA)
     q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,

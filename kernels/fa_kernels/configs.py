@@ -99,9 +99,11 @@ _GPU_16BIT_CAUSAL = {
 }
 _GPU_32BIT_CAUSAL: dict = {}
 
-# Where an entry reads through tensor descriptors and a launch cannot make them (fa_jax on
-# the GPU: no jax-triton release gives their global scratch inside a jitted program,
-# fa_jax._launch.plan_options), the best pointer-load tile measured for that
+# Where an entry reads through tensor descriptors and a launch can make neither kind (fa_jax
+# on the GPU under jax-triton 0.3.1, or for packed varlen batches under 0.4: a host
+# descriptor cannot stop at a sequence's end, and no jax-triton release gives device
+# descriptors' global scratch inside a jitted program, fa_jax._launch.plan_options), the
+# best pointer-load tile measured for that
 # (kernel, block_d) serves instead (H200, S = 4096, ms non-causal / causal,
 # benchmarks/NOTES.md 13 and 16); other entries keep their tile. Only the tile
 # sizes per program change, never the order in which a row or a key sums: same bits.

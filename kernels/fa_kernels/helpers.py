@@ -118,14 +118,38 @@ def block_source(base, blocks, batch, head, num_rows, stride_row, HEAD_DIM: tl.c
 
 
 @triton.jit
+def held_block_source(array, offset, blocks, batch, head, num_rows, stride_row,
+                      HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr):
+    """``block_source`` of the block a backward program holds for its whole loop (K/V in
+    dK/dV, Q/dO in dQ), ``offset`` elements into ``array``. A host descriptor for it is
+    2-D, over the array's rows as memory lays them out (row ``offset // stride_row``,
+    column ``offset % stride_row``): a 4-D block reshaped to 2-D reaches the matmuls
+    through registers, a 2-D one stays in shared memory. Its rows past ``num_rows`` are
+    the next rows in memory, not 0, which a held block may take: each of its rows reaches
+    only its own rows of the outputs, and those are not stored."""
+    if HOLD_TMA and HOST_TMA:
+        tl.static_assert(len(blocks.block_shape) == 2, "held blocks: a 2-D host descriptor")
+        return (blocks, tl.cast(offset // stride_row, tl.int32),
+                tl.cast(offset % stride_row, tl.int32))
+    return block_source(array + offset, blocks, batch, head, num_rows, stride_row, HEAD_DIM,
+                        BLOCK_ROWS, BLOCK_D, HOLD_TMA, HOST_TMA)
+
+
+@triton.jit
 def load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr,
                HOST_TMA: tl.constexpr):
-    """The (rows, BLOCK_D) block of a ``block_source`` from row ``start``, 0 past the end."""
+    """The (rows, BLOCK_D) block of a ``block_source`` from row ``start``, 0 past the end
+    (a held block through a 2-D host descriptor: the next rows, ``held_block_source``)."""
     if USE_TMA:
         if HOST_TMA:
-            blocks, batch, head = source
-            block = blocks.load([batch, start, head, 0]).reshape([offs_row.shape[0], BLOCK_D])
+            blocks, first, second = source
+            if len(blocks.block_shape) == 2:
+                block = blocks.load([first + start, second])
+            else:
+                block = blocks.load([first, start, second, 0]).reshape(
+                    [offs_row.shape[0], BLOCK_D])
         else:
             block = source.load([start, 0])
     else:

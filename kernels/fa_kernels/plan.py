@@ -59,9 +59,12 @@ class Output:
 class Blocks:
     """What a kernel's ``*Blocks`` parameter receives: the input ``array`` itself (no
     ``block_shape``: the kernel reads it through pointers or builds descriptors on the
-    device), or a tensor descriptor over it made on the host, (batch, seqlen, heads,
-    head_dim) with these element strides, read a (1, rows, 1, BLOCK_D) block at a time.
-    Host descriptors need no device scratch; jax-triton 0.4 encodes them per launch."""
+    device), or a tensor descriptor over it made on the host with this shape, element
+    strides and block: for the blocks a loop streams, (batch, seqlen, heads, head_dim)
+    read (1, rows, 1, BLOCK_D) at a time; for the blocks a backward program holds, the
+    array's rows as memory lays them out, (rows, row pitch) read (rows, BLOCK_D) at a time
+    (``_flat_rows``). Host descriptors need no device scratch; jax-triton 0.4 encodes them
+    per launch."""
     array: str
     shape: Shape = ()
     strides: Shape = ()
@@ -587,26 +590,49 @@ def _host_descriptors_allowed(p: "AttentionProblem", host: bool, *strides) -> bo
     return host and not p.varlen and all(s > 0 for st in strides for s in st)
 
 
-def _descriptor_flags(use: bool, hold: bool, host: bool, device: bool) -> dict:
+def _flat_rows(shape: Shape, strides: tuple[int, int, int], block_d: int) -> tuple | None:
+    """(rows, width) of the 2-D view that a held block's host descriptor takes of a
+    (batch, seqlen, heads, head_dim) array with these (batch, seq, head) strides: rows one
+    seq stride apart, each (batch, head) slab starting at a whole row, its head_dim
+    columns inside the row (heads a whole number of rows apart, as (B, H, S, D) memory
+    lays them, or side by side in a row, as (B, S, H, D) does). The view ends at the
+    array's last element. None where the slabs do not fit it, or where a block's BLOCK_D
+    columns would run into the next head's (a held block takes the next rows, which only
+    reach rows that are not stored, but a column reaches every row)."""
+    batch, seqlen, heads, head_dim = shape
+    stride_batch, stride_row, stride_head = strides
+    if block_d != head_dim or stride_row < head_dim or stride_batch % stride_row:
+        return None
+    rows = (batch - 1) * (stride_batch // stride_row) + seqlen
+    if stride_head % stride_row == 0:
+        return rows + (heads - 1) * (stride_head // stride_row), head_dim
+    if (heads - 1) * stride_head + head_dim <= stride_row:
+        return rows, (heads - 1) * stride_head + head_dim
+    return None
+
+
+def _descriptor_flags(use: bool, hold: bool, host: bool, device: bool,
+                      flat_held: bool = False) -> dict:
     """USE_TMA / HOLD_TMA (streamed / held blocks through descriptors) and HOST_TMA (the
-    descriptors come as arguments), where the caller allows the kind they need. A held
-    block read through a host descriptor reaches its matmuls through registers (Triton
-    3.6-3.9 keep only the device descriptor's 2-D block in shared memory; the host one is
-    4-D and reshaped), which spills more than a pointer load: held blocks then come
-    through pointers (benchmarks/NOTES.md)."""
+    descriptors come as arguments), where the caller allows the kind they need. Through
+    host descriptors held blocks need the 2-D view (``flat_held``): a 4-D block reshaped
+    to 2-D reaches its matmuls through registers in Triton 3.6-3.9 and spills more than
+    a pointer load, so without that view they come through pointers
+    (benchmarks/NOTES.md 25)."""
     if not (host or device):
         use = hold = False
-    return dict(USE_TMA=use, HOLD_TMA=hold and not host, HOST_TMA=host and use)
+    return dict(USE_TMA=use, HOLD_TMA=hold and (flat_held or not host),
+                HOST_TMA=host and use)
 
 
 def _tma_flags(cfg, override: bool | None, capability, dtype: str, streamed: tuple,
-               held: tuple, host: bool, device: bool) -> dict:
+               held: tuple, host: bool, device: bool, flat_held: bool) -> dict:
     """A backward kernel's descriptor flags: USE_TMA for the blocks it streams, HOLD_TMA
     for those it holds (only with USE_TMA, as the entry's ``hold_tma`` says, and where
     their strides allow it too), HOST_TMA when they are made on the host."""
     use = _use_tma(cfg, override, capability, dtype, *streamed)
     hold = use and cfg.hold_tma and _descriptors_allowed(capability, dtype, *held)
-    return _descriptor_flags(use, hold, host, device)
+    return _descriptor_flags(use, hold, host, device, flat_held)
 
 
 def _blocks(p: "AttentionProblem", on: bool, block_d: int, *arrays) -> tuple:
@@ -863,13 +889,24 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     aligned = _aligned(q_st, k_st, v_st, do_st, dq_st, dkv_st)
     host = _host_descriptors_allowed(p, host_descriptors, q_st, k_st, v_st, do_st)
 
+    arrays = dict(q=(p.q_shape, q_st), k=(p.kv_shape, k_st), v=(p.kv_shape, v_st),
+                  dout=(p.out_shape, do_st))
+
+    def flat_held(*names):  # may the held blocks come through 2-D host descriptors
+        return host and all(_flat_rows(*arrays[name], p.block_d) for name in names)
+
     def blocks(flags, streamed, block_q, block_k):  # (q, k, v, dout): streamed or held
-        on = {name: flags["HOST_TMA"] and (flags["USE_TMA"] if name in streamed
-                                           else flags["HOLD_TMA"])
-              for name in ("q", "k", "v", "dout")}
-        arrays = (("q", p.q_shape, q_st, block_q), ("k", p.kv_shape, k_st, block_k),
-                  ("v", p.kv_shape, v_st, block_k), ("dout", p.out_shape, do_st, block_q))
-        return tuple(_blocks(p, on[a[0]], p.block_d, a)[0] for a in arrays)
+        out = []
+        for name, (shape, st) in arrays.items():
+            rows = block_k if name in ("k", "v") else block_q
+            if name in streamed:
+                out += _blocks(p, flags["HOST_TMA"], p.block_d, (name, shape, st, rows))
+            elif flags["HOST_TMA"] and flags["HOLD_TMA"]:
+                view = _flat_rows(shape, st, p.block_d)
+                out.append(Blocks(name, view, (st[1], 1), (rows, p.block_d)))
+            else:
+                out.append(Blocks(name))
+        return tuple(out)
 
     def constexprs(cfg, **extra):
         return dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
@@ -882,7 +919,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                      descriptors=tma is not False and (host or device_descriptors))
     parts = 2 if (kv.apart if apart is None else apart) else 1  # dV and dK apart: two
     kv_flags = _tma_flags(kv, tma, capability, p.dtype, streamed=(q_st, do_st),
-                          held=(k_st, v_st), host=host, device=device_descriptors)
+                          held=(k_st, v_st), host=host, device=device_descriptors,
+                          flat_held=flat_held("k", "v"))
     dkdv = Launch(
         kernel="attention_backward_dkdv",
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
@@ -902,7 +940,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                      bias_item=p.bias_item, bias_grad=bias_grad, causal=p.causal,
                      descriptors=tma is not False and (host or device_descriptors))
     q_flags = _tma_flags(qc, tma, capability, p.dtype, streamed=(k_st, v_st),
-                         held=(q_st, do_st), host=host, device=device_descriptors)
+                         held=(q_st, do_st), host=host, device=device_descriptors,
+                         flat_held=flat_held("q", "dout"))
     dq = Launch(
         kernel="attention_backward_dq",
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),
