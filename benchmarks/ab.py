@@ -6,9 +6,8 @@ with constexprs overridden, on the bench shapes (GPU), with the outputs compared
 
 Each ``--variant`` is NAME=VALUE[,NAME=VALUE...] (ints; 0/1 for flags; not what the grid
 is cut by: BLOCK_M of the forward and dQ, BLOCK_N and DKDV_PARTS of dK/dV; HOST_TMA=0
-makes the plan's host descriptors on the device, HOST_TMA=0,HOLD_TMA=1 holds blocks
-through them as the device path does). The first row of
-each shape is the plan's own launch; the others print their time and the largest
+makes the plan's host descriptors on the device). The first row of each shape is the
+plan's own launch; the others print their time and the largest
 difference of their outputs from it (the same arithmetic in another order gives ~1 ulp).
 Inputs, launches and the outputs compared are tune.py's. Without a GPU it runs the
 interpreter on a small shape (a check of the script, no times).
