@@ -194,6 +194,7 @@ def xla_ptx_version(arch: int) -> int:
 
 
 def _triton_call(launch, shapes, inputs):
+    from fa_kernels import plan as fa_plan
     from fa_kernels import registry
 
     release = jax_triton_release()
@@ -203,17 +204,15 @@ def _triton_call(launch, shapes, inputs):
                          "whose global scratch jax-triton "
                          f"{'.'.join(map(str, release.version))} cannot give inside a jitted "
                          "program; plan it with fa_jax._launch.plan_options()")
-
-    # jax_triton passes a Python float as fp64: the kernels take fp32.
-    scalars = [np.float32(s) if isinstance(s, float) else s
-               for s in registry.scalar_arguments(launch)]
     if host and not release.host_descriptors:
         raise ValueError(f"{launch.kernel}: this launch reads through tensor descriptors made "
                          f"on the host, which jax-triton {'.'.join(map(str, release.version))} "
                          "cannot pass; plan it with fa_jax._launch.plan_options()")
-    arrays = dict(zip(launch.inputs, inputs))
-    blocks = [release.module.TensorDescriptor(arrays[b.array], b.shape, b.strides, b.block_shape)
-              if b.host_descriptor else arrays[b.array] for b in launch.blocks]
+
+    # jax_triton passes a Python float as fp64: the kernels take fp32.
+    scalars = [np.float32(s) if isinstance(s, float) else s
+               for s in registry.scalar_arguments(launch)]
+    blocks = fa_plan.block_arguments(launch, inputs, release.module.TensorDescriptor)
     # 0.3.1 takes no compiler options; its Triton (3.6) writes PTX that CUDA 12.8 accepts.
     major, minor = capability()
     options = ({"backend_options": {"ptx_version": xla_ptx_version(major * 10 + minor)}}

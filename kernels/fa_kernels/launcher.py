@@ -27,6 +27,7 @@ from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import registry
+from .plan import block_arguments
 
 _COMPILED: dict = {}
 # Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
@@ -71,12 +72,8 @@ def fit_to_arrays(launch, inputs: list):
     return launch
 
 
-def block_arguments(launch, inputs: list) -> list:
-    """The kernel's ``*Blocks`` arguments: each input array, or a descriptor over it."""
-    arrays = dict(zip(launch.inputs, inputs))
-    return [TensorDescriptor(arrays[b.array], list(b.shape), list(b.strides),
-                             list(b.block_shape)) if b.host_descriptor else arrays[b.array]
-            for b in launch.blocks]
+def _host_descriptor(array, shape, strides, block_shape) -> TensorDescriptor:
+    return TensorDescriptor(array, list(shape), list(strides), list(block_shape))
 
 
 def launch(launch, inputs: list, outputs: list, device: int | None, allocate=None) -> None:
@@ -86,7 +83,7 @@ def launch(launch, inputs: list, outputs: list, device: int | None, allocate=Non
     device scratch memory (anything with ``data_ptr()``) for kernels that build tensor
     descriptors."""
     launch = fit_to_arrays(launch, inputs)
-    inputs = [*inputs, *block_arguments(launch, inputs)]
+    inputs = [*inputs, *block_arguments(launch, inputs, _host_descriptor)]
     if device is None:  # Triton's interpreter (its kernels are never cached)
         scalars = registry.scalar_arguments(launch)
         with _INTERPRETER_LOCK:

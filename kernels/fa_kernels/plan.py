@@ -78,6 +78,15 @@ class Blocks:
         return Blocks(self.array)
 
 
+def block_arguments(launch: "Launch", inputs: list, descriptor) -> list:
+    """A kernel's ``*Blocks`` arguments for ``inputs`` (in ``launch.inputs`` order): each
+    input array, or ``descriptor(array, shape, strides, block_shape)`` over it, the
+    front end's host descriptor type."""
+    arrays = dict(zip(launch.inputs, inputs))
+    return [descriptor(arrays[b.array], b.shape, b.strides, b.block_shape)
+            if b.host_descriptor else arrays[b.array] for b in launch.blocks]
+
+
 @dataclass(frozen=True)
 class Launch:
     kernel: str
@@ -635,7 +644,7 @@ def _tma_flags(cfg, override: bool | None, capability, dtype: str, streamed: tup
     return _descriptor_flags(use, hold, host, device, flat_held)
 
 
-def _blocks(p: "AttentionProblem", on: bool, block_d: int, *arrays) -> tuple:
+def _blocks(on: bool, block_d: int, *arrays) -> tuple:
     """A kernel's ``*Blocks`` arguments: per (name, shape, (batch, seq, head) strides,
     rows a block), a host descriptor where ``on``, else the array itself."""
     if not on:
@@ -809,7 +818,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         HOST_TMA=flags["HOST_TMA"], FOLD_SCALE=fold_scale(p)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        blocks=_blocks(p, flags["HOST_TMA"], p.block_d, ("k", p.kv_shape, k_st, cfg.block_n),
+        blocks=_blocks(flags["HOST_TMA"], p.block_d, ("k", p.kv_shape, k_st, cfg.block_n),
                        ("v", p.kv_shape, v_st, cfg.block_n)),
     )
     combine = None
@@ -891,19 +900,21 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
 
     arrays = dict(q=(p.q_shape, q_st), k=(p.kv_shape, k_st), v=(p.kv_shape, v_st),
                   dout=(p.out_shape, do_st))
+    # The 2-D views through which host descriptors may hold blocks (None: they may not).
+    views = {name: _flat_rows(shape, st, p.block_d) if host else None
+             for name, (shape, st) in arrays.items()}
 
-    def flat_held(*names):  # may the held blocks come through 2-D host descriptors
-        return host and all(_flat_rows(*arrays[name], p.block_d) for name in names)
+    def flat_held(*names):
+        return all(views[name] for name in names)
 
     def blocks(flags, streamed, block_q, block_k):  # (q, k, v, dout): streamed or held
         out = []
         for name, (shape, st) in arrays.items():
             rows = block_k if name in ("k", "v") else block_q
             if name in streamed:
-                out += _blocks(p, flags["HOST_TMA"], p.block_d, (name, shape, st, rows))
+                out += _blocks(flags["HOST_TMA"], p.block_d, (name, shape, st, rows))
             elif flags["HOST_TMA"] and flags["HOLD_TMA"]:
-                view = _flat_rows(shape, st, p.block_d)
-                out.append(Blocks(name, view, (st[1], 1), (rows, p.block_d)))
+                out.append(Blocks(name, views[name], (st[1], 1), (rows, p.block_d)))
             else:
                 out.append(Blocks(name))
         return tuple(out)
