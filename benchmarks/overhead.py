@@ -55,7 +55,8 @@ def main():
     dout = torch.randn_like(q)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     scale = 64 ** -0.5
-    op_args = (q, k, v, None, None, None, None, None, 0, 0, False, scale, -1, -1, 0.0, 0.0)
+    # (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, options)
+    op_args = (q, k, v, None, None, None, None, None, None, 0, 0, False, scale, -1, -1, 0.0, 0.0)
     problem = ops.problem_of(q, k, v)
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride())
@@ -89,9 +90,9 @@ def main():
         F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in leaves)).backward(
             dout.transpose(1, 2))
 
-    out, lse = ops.attention_forward(*op_args)
-    bwd_args = (dout, q, k, v, out, lse, None, None, None, None, None, None, 0, 0, False, scale,
-                -1, -1, 0.0, 0.0, False)
+    out, lse, lse_lo = ops.attention_forward(*op_args)
+    bwd_args = (dout, q, k, v, out, lse, lse_lo, None, None, None, None, None, None, None, 0, 0,
+                False, scale, -1, -1, 0.0, 0.0, False)
 
     class Identity(torch.autograd.Function):  # the cost of any Python backward node
         @staticmethod

@@ -8,10 +8,11 @@ import fa_kernels  # noqa: F401  (decides interpreter vs compiled before triton 
 
 from ._launch import export_checks
 from .jax_nn import dot_product_attention
+from .kvcache import attention_with_kvcache
 from .ops import attention, attention_backward, attention_varlen, dropout_mask
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "dot_product_attention",
-           "dropout_mask", "export_checks", "ring"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_with_kvcache",
+           "dot_product_attention", "dropout_mask", "export_checks", "ring"]
 
 
 def __getattr__(name):

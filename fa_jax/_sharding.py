@@ -48,6 +48,8 @@ def roles(name: str, shape, problem) -> tuple:
         return ("h",) if len(shape) == 1 else ("b", "h")
     if name == "batch_index" and not problem.varlen:
         return ("b",)
+    if name == "seqused_k" and problem.seqused_k and not problem.varlen:
+        return ("b",)
     if name == "head_index":
         return ("h",)
     return (None,) * len(shape)

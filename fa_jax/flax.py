@@ -13,8 +13,12 @@ Linen passes only the arguments an attention_fn declares, so every one is declar
   and its query gets no gradient). Here a masked key is invisible (-inf: weight and
   gradient exactly 0, as in Flax), and a fully masked row's output is the mean of the
   values. A concrete causal mask (``nn.make_causal_mask`` outside jit) with q_len ==
-  kv_len becomes the causal flag. Under jit a mask is a tracer and cannot be inspected:
-  say ``make_attention_fn(causal=True)`` for the fast causal path.
+  kv_len becomes the causal flag, and a concrete key padding mask (every row of entry b
+  sees its first n_b keys, as ``nn.make_attention_mask(ones, key_is_real)`` makes)
+  becomes per-entry key counts (the kernels' ``seqused_k``): no dense bias either way.
+  Under jit a mask is a tracer and cannot be inspected: it becomes a 0 / -inf bias; say
+  ``make_attention_fn(causal=True)`` for the fast causal path, or call
+  ``fa_jax.dot_product_attention(..., key_value_seq_lengths=...)`` with the lengths.
 * ``dropout_rng`` seeds our dropout (the mask is drawn per batch entry and head;
   ``broadcast_dropout`` is accepted, the mask is not broadcast over batch dims).
 * ``dtype`` casts q, k, v for the computation; the softmax is always in fp32
@@ -42,6 +46,31 @@ def _is_causal_mask(mask, q_len: int, kv_len: int) -> bool:
     return bool(np.all(mask.reshape(-1, q_len, kv_len) == causal))
 
 
+def _key_counts(mask, batch_dims, q_len: int, kv_len: int):
+    """(prod(batch_dims),) int32: n_b where a concrete mask shows every row of entry b its
+    first n_b keys and no other (a key padding mask); None for any other or traced mask."""
+    if mask is None or isinstance(mask, jax.core.Tracer):
+        return None
+    mask = np.asarray(mask, bool)
+    rank = len(batch_dims) + 3
+    if mask.ndim > rank:
+        return None
+    mask = mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
+    if mask.shape[-1] != kv_len:
+        return None
+    counts = mask.sum(axis=-1)
+    if not np.array_equal(mask, np.arange(kv_len) < counts[..., None]):
+        return None  # not a prefix of the keys in every row
+    try:
+        counts = np.broadcast_to(counts, (*batch_dims, counts.shape[-2], counts.shape[-1]))
+    except ValueError:
+        return None
+    counts = counts.reshape(max(1, int(np.prod(batch_dims))), -1)
+    if not np.all(counts == counts[:, :1]):
+        return None  # rows of one entry see different keys
+    return jnp.asarray(counts[:, 0], jnp.int32)
+
+
 def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                   deterministic, dtype, is_causal, options):
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -60,8 +89,14 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
     causal = options.pop("causal", False) or bool(is_causal)
     if mask is not None and _is_causal_mask(mask, q_len, kv_len):
         causal, mask = True, None
+    # (Counts move the causal/window diagonal and ALiBi's distances to n_b: not with those.)
+    plain = not causal and tuple(options.get("window_size", (-1, -1))) == (-1, -1) \
+        and options.get("alibi_slopes") is None
+    key_counts = _key_counts(mask, batch_dims, q_len, kv_len) if plain else None
+    if key_counts is not None:
+        options["seqused_k"] = key_counts
     parts = [jnp.asarray(bias, jnp.float32)] if bias is not None else []
-    if mask is not None:
+    if mask is not None and key_counts is None:
         mask = jnp.asarray(mask, bool)
         parts.append(jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32))
     total_bias = sum(parts[1:], parts[0]) if parts else None

@@ -17,7 +17,7 @@ from fa_kernels import plan as fa_plan
 
 from . import _launch, _sharding
 
-ARRAY_NAMES = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k")
+ARRAY_NAMES = fa_plan.ATTENTION_INPUTS  # the forward's operands, absent ones as placeholders
 
 
 def _dtype_name(x) -> str:
@@ -42,9 +42,9 @@ def _check_arrays(named: dict) -> None:
 def validate(arrays: dict, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
              dropout_p=0.0, max_seqlen_q=0, max_seqlen_k=0) -> fa_plan.AttentionProblem:
     """The one validation of a call: the problem every later step derives from. Arrays
-    by name (q, k, v, and bias, slopes, cu_seqlens_q/k when given)."""
+    by name (q, k, v, and bias, slopes, cu_seqlens_q/k, seqused_k when given)."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    bias, slopes = arrays.get("bias"), arrays.get("slopes")
+    bias, slopes, used = arrays.get("bias"), arrays.get("slopes"), arrays.get("seqused_k")
     varlen = None
     if arrays.get("cu_seqlens_q") is not None:
         cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
@@ -57,7 +57,9 @@ def validate(arrays: dict, *, causal, softmax_scale, window_size=(-1, -1), softc
         dropout_p=dropout_p, bias_shape=None if bias is None else bias.shape,
         bias_dtype=None if bias is None else _dtype_name(bias),
         alibi_shape=None if slopes is None else slopes.shape,
-        alibi_dtype=None if slopes is None else _dtype_name(slopes), varlen=varlen)
+        alibi_dtype=None if slopes is None else _dtype_name(slopes), varlen=varlen,
+        seqused_k_shape=None if used is None else used.shape,
+        seqused_k_dtype=None if used is None else _dtype_name(used))
 
 
 def _at(problem: fa_plan.AttentionProblem, arrays: dict) -> fa_plan.AttentionProblem:
@@ -77,7 +79,8 @@ def _batch_rule(fn, kinds, problem: fa_plan.AttentionProblem):
     * "batch": a leading batch axis; the mapped axis folds into it.
     * "batchable": bias (4-D) or ALiBi slopes: folded by broadcasting their batch
       axis to the problem's batch first (kept as is when unmapped and unbatched).
-    * "fixed": seed, cu_seqlens, placeholders: must be the same for every mapped
+    * "fixed": seed, cu_seqlens, placeholders (and seqused_k with varlen inputs): must
+      be the same for every mapped
       element, else (and for varlen) the map runs sequentially.
     """
 
@@ -118,7 +121,8 @@ def _batch_rule(fn, kinds, problem: fa_plan.AttentionProblem):
 def _kinds(names, problem: fa_plan.AttentionProblem):
     row_kind = "fixed" if problem.varlen else "batch"
     table = {"bias": "batchable", "slopes": "batchable", "seed": "fixed",
-             "cu_seqlens_q": "fixed", "cu_seqlens_k": "fixed"}
+             "cu_seqlens_q": "fixed", "cu_seqlens_k": "fixed",
+             "seqused_k": row_kind if problem.seqused_k else "fixed"}
     return tuple(table.get(n, row_kind) for n in names)
 
 
@@ -294,12 +298,13 @@ def dropout_seed_array(dropout_seed):
 
 def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
           softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-          return_lse, deterministic):
+          return_lse, deterministic, seqused_k=None):
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     return_lse = fa_plan.check_bool("return_lse", return_lse)
     named = {"q": q, "k": k, "v": v}
     for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
-                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("seqused_k", seqused_k)):
         if x is not None:
             named[name] = x
     _check_arrays(named)
@@ -307,23 +312,30 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
         raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")
     varlen = cu_seqlens_q is not None
     arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes,
-              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k}
     problem = validate(arrays, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    # Concrete index arrays are checked; traced ones are trusted (the kernels clamp them).
+    key_counts = [problem.seqlen_k] * problem.batch
     if varlen:
         for name, total, longest in (("cu_seqlens_q", problem.total_q, problem.seqlen_q),
                                      ("cu_seqlens_k", problem.total_k, problem.seqlen_k)):
             values = arrays[name]
             if not isinstance(values, jax.core.Tracer):
                 fa_plan.check_cu_seqlens(name, np.asarray(values).tolist(), total, longest)
+        key_counts = (None if isinstance(cu_seqlens_k, jax.core.Tracer)
+                      else np.diff(np.asarray(cu_seqlens_k)).tolist())
+    if seqused_k is not None and key_counts is not None and not isinstance(
+            seqused_k, jax.core.Tracer):
+        fa_plan.check_seqused_k(np.asarray(seqused_k).tolist(), key_counts)
     check_dropout_seed(dropout_seed)  # checked with dropout off too
     seed = dropout_seed_array(dropout_seed) if problem.dropout_p > 0 else None
     if bias is not None:
         bias = jnp.asarray(bias)
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     args = [jnp.asarray(x) if x is not None else _launch.placeholder()
-            for x in (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)]
+            for x in (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k)]
     out, lse = _differentiable(problem)(*args)
     return (out, lse) if return_lse else out
 
@@ -331,7 +343,7 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               bias=None, alibi_slopes=None, window_size: tuple[int, int] = (-1, -1),
               softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
-              return_lse: bool = False, deterministic: bool = False):
+              return_lse: bool = False, deterministic: bool = False, seqused_k=None):
     """Softmax attention with the FlashAttention-2 kernels; same API as fa_torch.attention.
 
     q ``(batch, seqlen_q, heads_q, head_dim)``, k and v ``(batch, seqlen_k, heads_k,
@@ -342,27 +354,34 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``dropout_seed`` (an int, a uint32 array, possibly traced, or a PRNG key; required).
     Returns ``out``, or ``(out, lse)`` with ``return_lse`` (lse ``(batch, heads_q,
     seqlen_q)`` fp32, natural log, -inf for a row with no key; differentiable). The
-    backward never uses atomics: it is always deterministic.
+    backward never uses atomics: it is always deterministic. ``seqused_k`` ``(batch,)``
+    int32 (may be traced): entry b attends to its first ``seqused_k[b]`` keys only, as if
+    k and v held those alone (the causal/window alignment and ALiBi use that count); the
+    other key rows are never read and get a zero gradient. Concrete values are checked
+    to lie in [0, seqlen_k]; traced ones are clamped into it by the kernels.
     """
     return _call(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                  bias=bias, alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                  dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
-                 deterministic=deterministic)
+                 deterministic=deterministic, seqused_k=seqused_k)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      *, causal: bool = False, softmax_scale: float | None = None,
                      alibi_slopes=None, window_size: tuple[int, int] = (-1, -1),
                      softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
-                     return_lse: bool = False, deterministic: bool = False, bias=None):
+                     return_lse: bool = False, deterministic: bool = False, bias=None,
+                     seqused_k=None):
     """Attention over packed sequences: q ``(total_q, heads_q, head_dim)``, k and v
     ``(total_k, heads_k, head_dim)``, int32 ``cu_seqlens`` of shape (batch + 1,).
     ``max_seqlen_*`` are static Python ints that bound the lengths. Concrete cu_seqlens
-    are checked; traced ones are trusted. lse is ``(heads_q, total_q)``."""
+    are checked; traced ones are trusted. lse is ``(heads_q, total_q)``. ``seqused_k``
+    ``(batch,)`` int32: sequence b uses only its first ``seqused_k[b]`` keys."""
     return _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                  softmax_scale=softmax_scale, bias=bias, alibi_slopes=alibi_slopes,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p,
-                 dropout_seed=dropout_seed, return_lse=return_lse, deterministic=deterministic)
+                 dropout_seed=dropout_seed, return_lse=return_lse, deterministic=deterministic,
+                 seqused_k=seqused_k)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

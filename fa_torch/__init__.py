@@ -12,10 +12,12 @@ from .flash_attn_interface import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 from . import nn, ring
 from .ops import attention, attention_varlen, dropout_mask
 
 __all__ = ["nn", "ring", "attention", "attention_varlen", "dropout_mask", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_with_kvcache"]

@@ -12,6 +12,7 @@ import torch
 
 from fa_kernels import plan as fa_plan
 
+from .kvcache import flash_attn_with_kvcache  # noqa: F401  (flash-attn's name, here too)
 from .ops import _attention, dropout_seed_tensor
 from .ops import dropout_mask as _dropout_mask
 
@@ -26,7 +27,8 @@ def _unpack(name: str, packed, rank: int, axis: int, parts: int, layout: str):
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-         softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
+         softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+         seqused_k=None):
     dropout_p = fa_plan.check_dropout_p(dropout_p)
     return_attn_probs = fa_plan.check_bool("return_attn_probs", return_attn_probs)
     seed = None
@@ -37,7 +39,8 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropou
     out, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal=causal, softmax_scale=softmax_scale, bias=None,
                           alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                          dropout_p=dropout_p, dropout_seed=seed, return_lse=True)
+                          dropout_p=dropout_p, dropout_seed=seed, return_lse=True,
+                          seqused_k=seqused_k)
     if not return_attn_probs:
         return out
     mask = None
@@ -76,12 +79,15 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
-    """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), int32 cu_seqlens."""
+                           return_attn_probs=False, block_table=None, seqused_k=None):
+    """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), int32 cu_seqlens.
+    ``seqused_k`` (batch,) int32 (as flash-attn 3's): sequence b uses only its first
+    ``seqused_k[b]`` keys."""
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not supported")
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+                softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                seqused_k)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

@@ -55,12 +55,14 @@ def _unit_last_stride(x: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-               max_seqlen_q=0, max_seqlen_k=0, causal=False, softmax_scale=None,
-               window_size=(-1, -1), softcap=0.0, dropout_p=0.0) -> fa_plan.AttentionProblem:
+               seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, causal=False,
+               softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+               dropout_p=0.0) -> fa_plan.AttentionProblem:
     """Validate torch inputs and options (raises before any launch)."""
     named = {"q": q, "k": k, "v": v}
     for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
-                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("seqused_k", seqused_k)):
         if x is not None:
             named[name] = x
     _check_tensors(named)
@@ -80,7 +82,9 @@ def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seql
                    bias_shape=None if bias is None else tuple(bias.shape),
                    bias_dtype=None if bias is None else name(bias.dtype),
                    alibi_shape=None if alibi_slopes is None else tuple(alibi_slopes.shape),
-                   alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype))
+                   alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype),
+                   seqused_k_shape=None if seqused_k is None else tuple(seqused_k.shape),
+                   seqused_k_dtype=None if seqused_k is None else name(seqused_k.dtype))
     # (Under torch.compile the checks are traced once into the graph: no cache there.)
     if varlen is None and type(window_size) is tuple and not torch.compiler.is_compiling():
         types = tuple(map(type, (*options.values(), *window_size)))
@@ -109,31 +113,31 @@ def _bias_strides(bias: Optional[Tensor]):
     return (0,) * (4 - bias.dim()) + tuple(bias.stride())
 
 
-def _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                dropout_p) -> fa_plan.AttentionProblem:
+def _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
+                softcap, dropout_p) -> fa_plan.AttentionProblem:
     """problem_of for the ops' flat arguments (the window as two ints)."""
-    return problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, causal, softmax_scale, (window_left, window_right), softcap,
-                      dropout_p)
+    return problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                      max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      (window_left, window_right), softcap, dropout_p)
 
 
-def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                  dropout_p, problem=None):
+def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                  max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
+                  softcap, dropout_p, problem=None):
     """(out, lse, lse_lo): the forward launches (the body of the op below). ``problem``:
     the call's validated problem when the caller has it already (the eager path)."""
     q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
-    alibi_slopes, cu_seqlens_q, cu_seqlens_k = map(_dense, (alibi_slopes, cu_seqlens_q,
-                                                            cu_seqlens_k))
+    alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k = map(
+        _dense, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k))
     problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                                     window_left, window_right, softcap, dropout_p)
+                                     seqused_k, max_seqlen_q, max_seqlen_k, causal,
+                                     softmax_scale, window_left, window_right, softcap, dropout_p)
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                bias_strides=_bias_strides(bias), num_sms=_launch.num_sms(q.device))
     arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes, "seed": seed,
-              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k}
     for launch in fwd.launches:
         _launch.run(launch, arrays, q.device)
     return arrays["out"], arrays["lse"], arrays["lse_lo"]
@@ -143,37 +147,37 @@ def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                      max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-                      window_left: int, window_right: int, softcap: float,
-                      dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+                      seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                      softcap: float, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, lse_lo); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen);
     lse_lo, shaped like lse, is what the backward needs of the LSE beyond lse (with a
     bias; kernels/fa_kernels/helpers.py: final_lse)."""
     return _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
-                         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-                         window_right, softcap, dropout_p)
+                         seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                         window_left, window_right, softcap, dropout_p)
 
 
 @attention_forward.register_fake
-def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      causal, softmax_scale, window_left, window_right, softcap, dropout_p):
-    problem = _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, causal, softmax_scale, window_left, window_right,
-                          softcap, dropout_p)
+def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+      max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, dropout_p):
+    problem = _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                          max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+                          window_right, softcap, dropout_p)
     return (q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32),
             q.new_empty(problem.lse_shape, dtype=torch.float32))
 
 
 def _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
-                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-                   window_right, softcap, dropout_p, bias_grad, problem=None):
+                   cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   window_left, window_right, softcap, dropout_p, bias_grad, problem=None):
     """(dq, dk, dv, dbias): the backward launches (the body of the op below)."""
     q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
-    alibi_slopes, cu_seqlens_q, cu_seqlens_k = map(_dense, (alibi_slopes, cu_seqlens_q,
-                                                            cu_seqlens_k))
+    alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k = map(
+        _dense, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k))
     problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                                     window_left, window_right, softcap, dropout_p)
+                                     seqused_k, max_seqlen_q, max_seqlen_k, causal,
+                                     softmax_scale, window_left, window_right, softcap, dropout_p)
     bwd = fa_plan.backward_plan(problem, capability=_launch.capability(q.device),
                                 q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                 out_strides=out.stride(), dout_strides=dout.stride(),
@@ -183,7 +187,8 @@ def _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, se
         dlse = dlse.to(torch.float32).contiguous()
     arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
               "lse_lo": lse_lo.contiguous(), "dlse": dlse, "bias": bias, "slopes": alibi_slopes,
-              "seed": seed, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+              "seed": seed, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+              "seqused_k": seqused_k}
     for launch in bwd.launches:
         _launch.run(launch, arrays, q.device)
     if bias_grad and bias is not None:
@@ -201,35 +206,40 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        lse_lo: Tensor, dlse: Optional[Tensor], bias: Optional[Tensor],
                        alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
                        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                       max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-                       window_left: int, window_right: int, softcap: float, dropout_p: float,
+                       seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                       causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                       softcap: float, dropout_p: float,
                        bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty."""
     return _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed,
-                          cu_seqlens_q,
-                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          window_left, window_right, softcap, dropout_p, bias_grad)
+                          cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                          causal, softmax_scale, window_left, window_right, softcap, dropout_p,
+                          bias_grad)
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-      dropout_p, bias_grad):
+      seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
+      softcap, dropout_p, bias_grad):
     dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
+# The forward op's arguments: these tensors, then the options.
+_TENSOR_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "seed", "cu_seqlens_q", "cu_seqlens_k",
+                 "seqused_k")
 _OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left",
                  "window_right", "softcap", "dropout_p")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k = inputs[:8]
+    tensors = inputs[:len(_TENSOR_NAMES)]
+    q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k = tensors
     out, lse, lse_lo = output
     ctx.save_for_backward(q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
-                          cu_seqlens_k)
+                          cu_seqlens_k, seqused_k)
     ctx.mark_non_differentiable(lse_lo)
-    ctx.options = inputs[8:]
+    ctx.options = inputs[len(_TENSOR_NAMES):]
     # An unused output's gradient stays None, not a zero tensor to allocate and fill
     # (the LSE's, usually): the backward plan then skips reading it.
     ctx.set_materialize_grads(False)
@@ -238,14 +248,16 @@ def _setup_context(ctx, inputs, output):
 def _backward_with(backward):
     def _backward(ctx, dout, dlse, _dlse_lo):
         (q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
-         cu_seqlens_k) = ctx.saved_tensors
+         cu_seqlens_k, seqused_k) = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         bias_grad = bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias = backward(ctx, dout, q, k, v, out, lse, lse_lo, dlse, bias,
                                      alibi_slopes,
-                                     seed, cu_seqlens_q, cu_seqlens_k, *ctx.options, bias_grad)
-        return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (4 + len(_OPTION_NAMES))
+                                     seed, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.options,
+                                     bias_grad)
+        return ((dq, dk, dv, dbias if bias_grad else None)
+                + (None,) * (len(_TENSOR_NAMES) - 4 + len(_OPTION_NAMES)))
     return _backward
 
 
@@ -295,7 +307,7 @@ def _eager(tensors) -> bool:
 def _call_forward(problem, *args):
     """attention_forward(*args), by the eager path when it may (``problem``: the
     arguments' validated problem, which the op would validate again)."""
-    if not _eager(args[:8]):
+    if not _eager(args[:len(_TENSOR_NAMES)]):
         return attention_forward(*args)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:5]):
         return _EagerAttention.apply(*args, problem)
@@ -359,21 +371,30 @@ def _autocast(q, k, v):
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
                softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-               return_lse, deterministic=False):
+               return_lse, deterministic=False, seqused_k=None):
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     return_lse = fa_plan.check_bool("return_lse", return_lse)
     check_dropout_seed(dropout_seed)
     q, k, v = _autocast(q, k, v)
-    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, causal, softmax_scale, window_size, softcap, dropout_p)
+    problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
+                         dropout_p)
+    # Index arrays on the CPU are checked; on the GPU they are trusted (and clamped by the
+    # kernels): checking would need a device sync.
+    key_counts = [problem.seqlen_k] * problem.batch
     if problem.varlen and not (cu_seqlens_q.is_cuda or cu_seqlens_k.is_cuda):
         fa_plan.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), problem.total_q,
                                  problem.seqlen_q)
         fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), problem.total_k,
                                  problem.seqlen_k)
+        key_counts = torch.diff(cu_seqlens_k).tolist()
+    if seqused_k is not None and not seqused_k.is_cuda and not (
+            problem.varlen and cu_seqlens_k.is_cuda):
+        fa_plan.check_seqused_k(seqused_k.tolist(), key_counts)
     seed = dropout_seed_tensor(dropout_seed, q.device) if problem.dropout_p > 0 else None
     out, lse, _ = _call_forward(problem, q, k, v, bias, alibi_slopes, seed, cu_seqlens_q,
-                                cu_seqlens_k, problem.seqlen_q if problem.varlen else 0,
+                                cu_seqlens_k, seqused_k,
+                                problem.seqlen_q if problem.varlen else 0,
                                 problem.seqlen_k if problem.varlen else 0, problem.causal,
                                 problem.softmax_scale, problem.window_left, problem.window_right,
                                 problem.softcap, problem.dropout_p)
@@ -384,7 +405,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, bias: Tensor | None = None,
               alibi_slopes: Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
               softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
-              return_lse: bool = False, deterministic: bool = False):
+              return_lse: bool = False, deterministic: bool = False,
+              seqused_k: Tensor | None = None):
     """Softmax attention with the FlashAttention-2 kernels.
 
     Args:
@@ -406,13 +428,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             (natural log; -inf for a row that sees no key). It is differentiable.
         deterministic: accepted for flash-attn compatibility; the backward never uses
             atomics, so it is always deterministic.
+        seqused_k: ``(batch,)`` int32: entry b attends to its first ``seqused_k[b]`` keys
+            only, as if k and v held those alone (so ``seqlen_k`` above is
+            ``seqused_k[b]`` for the causal and window alignment and ALiBi). The other key
+            rows are never read and get a zero gradient (a KV cache's unfilled tail).
+            Values on the CPU are checked to lie in [0, seqlen_k]; on the GPU the kernels
+            clamp them into that range.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse``.
     """
     return _attention(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                       bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
                       softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                      return_lse=return_lse, deterministic=deterministic)
+                      return_lse=return_lse, deterministic=deterministic, seqused_k=seqused_k)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -420,7 +448,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      softmax_scale: float | None = None, alibi_slopes: Tensor | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      dropout_p: float = 0.0, dropout_seed=None, return_lse: bool = False,
-                     deterministic: bool = False, bias: Tensor | None = None):
+                     deterministic: bool = False, bias: Tensor | None = None,
+                     seqused_k: Tensor | None = None):
     """Attention over packed variable-length sequences.
 
     q ``(total_q, heads_q, head_dim)``, k and v ``(total_k, heads_k, head_dim)``; sequence b
@@ -429,12 +458,14 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     of 0 is fine). ``max_seqlen_*`` must bound the lengths. lse is ``(heads_q, total_q)``.
     cu_seqlens on the CPU are checked (start 0, non-decreasing, end = total); on the GPU
     they are trusted (checking would need a device sync). ``bias`` is not supported.
+    ``seqused_k`` ``(batch,)`` int32: sequence b uses only its first ``seqused_k[b]`` keys
+    (as in ``attention``).
     """
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       causal=causal, softmax_scale=softmax_scale, bias=bias,
                       alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                       dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
-                      deterministic=deterministic)
+                      deterministic=deterministic, seqused_k=seqused_k)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

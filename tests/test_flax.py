@@ -47,6 +47,26 @@ def test_padding_mask_and_bias_under_jit():
                                atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lengths", [(30, 11), (0, 17)], ids=["padded", "empty_entry"])
+def test_concrete_padding_mask_becomes_key_counts(lengths):
+    # A key padding mask seen on the host reaches the kernels as seqused_k (no dense bias);
+    # outputs and gradients as Flax's, the entry with no key attending uniformly.
+    q, k, v = inputs(kv_len=30)
+    valid = jnp.arange(30)[None, :] < jnp.array(lengths)[:, None]
+    mask = nn.make_attention_mask(jnp.ones((2, 24)), valid)
+    counts = fa_flax._key_counts(mask, (2,), 24, 30)
+    assert counts is not None and counts.tolist() == list(lengths)
+    assert fa_flax._key_counts(nn.make_causal_mask(jnp.ones((2, 30))), (2,), 30, 30) is None
+    dout = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+
+    def grads(fn):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask=mask), q, k, v)
+        return (out, *vjp(dout))
+
+    for ours, theirs in zip(grads(fa_flax.attention_fn), grads(nn.dot_product_attention)):
+        np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-5)
+
+
 def test_several_batch_dims():
     q, k, v = inputs(shape=(2, 3, 10, 2, 16))
     mask = jnp.tril(jnp.ones((10, 10), bool))[None, None, None]

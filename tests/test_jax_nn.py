@@ -17,6 +17,8 @@ CASES = {
     "mask": dict(mask=True),
     "mask causal bias": dict(mask=True, is_causal=True, bias=True),
     "kv lengths": dict(key_value_seq_lengths=(9, 4)),
+    # an entry with no key (uniform attention) and one past kv_len (every key)
+    "kv lengths bias": dict(key_value_seq_lengths=(0, 12), bias=True),
     "q and kv lengths": dict(query_seq_lengths=(7, 3), key_value_seq_lengths=(9, 4)),
     "lengths causal": dict(query_seq_lengths=(7, 3), key_value_seq_lengths=(7, 3),
                            is_causal=True),
@@ -46,7 +48,8 @@ SHAPES = {"self gqa": (9, 9, 4, 2), "Sq<Sk": (7, 9, 2, 2), "Sq>Sk mqa": (9, 7, 2
 # against the kernels' bottom-right): the cases that exercise that mapping.
 GRID = ([(case, "self gqa") for case in CASES]
         + [(case, shape) for shape in ("Sq<Sk", "Sq>Sk mqa")
-           for case in ("plain", "causal", "window", "causal window", "mask causal bias")])
+           for case in ("plain", "causal", "window", "causal window", "mask causal bias",
+                        "kv lengths")])
 
 
 @pytest.mark.parametrize("case,shape", GRID, ids=[f"{c}-{s}" for c, s in GRID])
@@ -71,6 +74,15 @@ def test_matches_jax_nn(case, shape):
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5)
     for name, g, w in zip("q k v bias".split(), grads, want_grads):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_key_lengths_alone_build_no_mask():
+    # They reach the kernels as seqused_k: nothing of shape (.., Sq, Sk) is made.
+    q, k, v, _, options = _inputs(9, 7, 2, 2, "kv lengths")
+    jaxpr = jax.make_jaxpr(lambda q, k, v: fa_jax.dot_product_attention(q, k, v, **options))(
+        q, k, v)
+    shapes = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars]
+    assert shapes and not any(shape[-2:] == (9, 7) for shape in shapes), shapes
 
 
 def test_unbatched_and_residual():

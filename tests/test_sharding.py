@@ -47,7 +47,8 @@ SPECS = {"batch": P("data", None, None, None), "heads": P(None, None, "model", N
     dict(window_size=(5, 3), softcap=5.0),
     dict(dropout_p=0.3, dropout_seed=11),
     dict(alibi_slopes="per-batch", causal=True),
-], ids=["causal", "window-softcap", "dropout", "alibi"])
+    dict(seqused_k="per-batch", causal=True),
+], ids=["causal", "window-softcap", "dropout", "alibi", "seqused_k"])
 def test_sharded_equals_unsharded_without_gathers(mesh, where, options):
     # GQA 4 query heads over 2 K/V heads: each "model" shard holds one K/V head and
     # its two query heads.
@@ -56,6 +57,8 @@ def test_sharded_equals_unsharded_without_gathers(mesh, where, options):
     options = dict(options)
     if options.get("alibi_slopes") == "per-batch":
         options["alibi_slopes"] = jnp.linspace(0.1, 0.8, 16, dtype=jnp.float32).reshape(4, 4)
+    if options.get("seqused_k") == "per-batch":  # split with the batch, like q
+        options["seqused_k"] = jnp.asarray([40, 17, 0, 33], jnp.int32)
 
     def fwd_bwd(q, k, v, dout):
         out, vjp = jax.vjp(lambda q, k, v: fa_jax.attention(q, k, v, **options), q, k, v)

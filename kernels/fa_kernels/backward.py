@@ -112,7 +112,7 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_b
 
 @kernel
 def attention_backward_dkdv(
-    Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, SequsedK,
     QBlocks, KBlocks, VBlocks, dOBlocks,
     softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
     window_left, window_right, seqlen_q, seqlen_k, total_q, total_k,
@@ -130,7 +130,8 @@ def attention_backward_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
     USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
     DKDV_PARTS: tl.constexpr,
 ):
@@ -160,8 +161,9 @@ def attention_backward_dkdv(
     head_k = tl.program_id(1)
     batch = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-        batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
-    if start_n >= seqlen_k:  # past this sequence's keys (varlen): no row of dK, dV to write,
+        batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN,
+        HAS_SEQUSED_K)
+    if start_n >= seqlen_k:  # past this sequence's (used) keys: no row of dK, dV to write,
         return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)
     for part in tl.static_range(DKDV_PARTS):  # each part its own specialised loop
@@ -324,7 +326,7 @@ def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias
 
 @kernel
 def attention_backward_dq(
-    Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, SequsedK,
     QBlocks, KBlocks, VBlocks, dOBlocks,
     softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
     window_left, window_right, seqlen_q, seqlen_k, total_q, total_k,
@@ -342,7 +344,8 @@ def attention_backward_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr, USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr,
     HOST_TMA: tl.constexpr,
 ):
@@ -366,7 +369,8 @@ def attention_backward_dq(
     batch = tl.program_id(2)
     head_k = tl.cast(head // GROUP_SIZE, tl.int64)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-        batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
+        batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN,
+        HAS_SEQUSED_K)
     if start_m >= seqlen_q:  # past this sequence's queries (varlen): no row of dQ to write,
         return               # and a descriptor over 0 rows faults on load
     batch64 = tl.cast(batch, tl.int64)

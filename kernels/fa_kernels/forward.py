@@ -55,7 +55,7 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
 
 @kernel
 def attention_forward(
-    Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, KBlocks, VBlocks,
+    Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, SequsedK, KBlocks, VBlocks,
     qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale, window_left, window_right,
     seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
@@ -71,7 +71,8 @@ def attention_forward(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, USE_TMA: tl.constexpr,
     HOST_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
@@ -96,7 +97,8 @@ def attention_forward(
         block = block // num_splits
     batch = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-        batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
+        batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN,
+        HAS_SEQUSED_K)
     batch64 = tl.cast(batch, tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -224,8 +226,8 @@ def attention_forward_combine(
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.cast(tl.program_id(1), tl.int64)
     batch = tl.program_id(2)
-    q_start, _, seqlen_q, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, 0,
-                                              total_q, 0, IS_VARLEN)
+    q_start, _, seqlen_q, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, CuSeqlensK,
+                                              seqlen_q, 0, total_q, 0, IS_VARLEN, False)
     batch64 = tl.cast(batch, tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

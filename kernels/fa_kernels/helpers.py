@@ -159,8 +159,8 @@ def load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM: 
 
 
 @triton.jit
-def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, total_k,
-                    IS_VARLEN: tl.constexpr):
+def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q,
+                    total_k, IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
     """(first query token, first key token, seqlen_q, seqlen_k) of one batch entry.
 
     Varlen batches pack sequences back to back: entry b holds tokens
@@ -168,6 +168,8 @@ def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, 
     them. Otherwise every entry starts at token 0. cu_seqlens on the device cannot be
     checked before the launch: they are clamped into [0, total] and each length into
     [0, max_seqlen], so that no value steers a program outside the packed arrays.
+    ``seqused_k[b]`` (HAS_SEQUSED_K) keeps the first keys of entry b only, clamped the
+    same way into [0, its seqlen_k]: the keys past it are never read.
     """
     if IS_VARLEN:
         q_start = tl.minimum(tl.maximum(tl.load(CuSeqlensQ + batch), 0), total_q)
@@ -181,6 +183,8 @@ def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, total_q, 
     else:
         q_start = 0
         k_start = 0
+    if HAS_SEQUSED_K:
+        seqlen_k = tl.minimum(tl.maximum(tl.load(SequsedK + batch), 0), seqlen_k)
     return q_start, k_start, seqlen_q, seqlen_k
 
 

@@ -46,6 +46,8 @@ def input_dtypes(problem: fa_plan.AttentionProblem, plans) -> dict:
         dtypes["bias"] = problem.dtype
     if problem.varlen:
         dtypes.update(cu_seqlens_q="int32", cu_seqlens_k="int32")
+    if problem.seqused_k:
+        dtypes["seqused_k"] = "int32"
     for launch in (launch for p in plans for launch in p.launches):
         dtypes.update((o.name, o.dtype) for o in launch.outputs)
     return dtypes
@@ -221,6 +223,11 @@ def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
                                              cu_seqlens_q_dtype="int32",
                                              cu_seqlens_k_dtype="int32",
                                              max_seqlen_q=200, max_seqlen_k=200)), {})
+    yield ("bfloat16 D=128 seqused_k causal gqa tma",
+           fa_plan.check_problem((2, 4096, 4, 128), (2, 4096, 2, 128), (2, 4096, 2, 128),
+                                 "bfloat16", "bfloat16", "bfloat16", causal=True,
+                                 seqused_k_shape=(2,), seqused_k_dtype="int32"),
+           dict(tma=capability >= (9, 0)))
     if capability < (9, 0):
         return
     # Short sequences take the tile shrunk to them and, at 1, Triton folds the length

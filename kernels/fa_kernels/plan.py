@@ -38,9 +38,10 @@ DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # Every array argument of the attention kernels, in signature order.
-ATTENTION_INPUTS = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k")
+ATTENTION_INPUTS = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k",
+                    "seqused_k")
 BACKWARD_INPUTS = ("q", "k", "v", "dout", "lse", "lse_lo", "delta", "bias", "slopes", "seed",
-                   "cu_seqlens_q", "cu_seqlens_k")
+                   "cu_seqlens_q", "cu_seqlens_k", "seqused_k")
 
 Shape = tuple[int, ...]
 
@@ -151,6 +152,7 @@ class AttentionProblem:
     total_q: int = 0
     total_k: int = 0
     bias_dtype: str | None = None
+    seqused_k: bool = False  # a (batch,) int32 count of the keys each entry uses
 
     @property
     def bias_item(self) -> int:
@@ -382,12 +384,14 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
                   softcap: float = 0.0, dropout_p: float = 0.0,
                   bias_shape: Shape | None = None, bias_dtype: str | None = None,
                   alibi_shape: Shape | None = None, alibi_dtype: str | None = None,
-                  varlen: dict | None = None) -> AttentionProblem:
+                  varlen: dict | None = None, seqused_k_shape: Shape | None = None,
+                  seqused_k_dtype: str | None = None) -> AttentionProblem:
     """Validate q, k, v and the options; raise ValueError/TypeError before any launch.
 
     ``varlen``, for packed inputs, holds ``cu_seqlens_q_shape``, ``cu_seqlens_k_shape``,
     their dtypes ``cu_seqlens_q_dtype``/``cu_seqlens_k_dtype`` and ``max_seqlen_q``,
-    ``max_seqlen_k``.
+    ``max_seqlen_k``. ``seqused_k_shape``/``seqused_k_dtype`` describe ``seqused_k``, the
+    number of keys each batch entry uses (its first ones): (batch,) int32.
     """
     q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
     if varlen is None:
@@ -440,11 +444,30 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
         bias_shape = _check_bias(bias_shape, bias_dtype, (batch, heads_q, seqlen_q, seqlen_k))
     if alibi_shape is not None:
         alibi_shape = _check_alibi(alibi_shape, alibi_dtype, batch, heads_q)
+    if seqused_k_shape is not None:
+        _check_seqused_k(tuple(seqused_k_shape), seqused_k_dtype, batch)
     return AttentionProblem(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype,
                             causal, normalize_softmax_scale(softmax_scale, head_dim),
                             window_left, window_right, softcap, dropout_p, bias_shape,
                             alibi_shape, varlen is not None, total_q, total_k,
-                            bias_dtype if bias_shape is not None else None)
+                            bias_dtype if bias_shape is not None else None,
+                            seqused_k_shape is not None)
+
+
+def _check_seqused_k(shape: Shape, dtype: str, batch: int) -> None:
+    if dtype != "int32":
+        raise TypeError(f"seqused_k must be int32; got {dtype}")
+    if shape != (batch,):
+        raise ValueError(f"seqused_k must have shape (batch,) = ({batch},); got {shape}")
+
+
+def check_seqused_k(values, seqlens) -> None:
+    """Check seqused_k values where they are on the host: entry b in [0, seqlens[b]]
+    (the kernels clamp values they cannot check into that range)."""
+    for b, (used, seqlen) in enumerate(zip(values, seqlens)):
+        if not 0 <= used <= seqlen:
+            raise ValueError(f"seqused_k[{b}] must be in [0, {seqlen}] (the keys entry {b} "
+                             f"has); got {used}")
 
 
 def _check_varlen(varlen: dict) -> tuple[int, int, int]:
@@ -487,6 +510,108 @@ def check_cu_seqlens(name: str, values, total: int, max_seqlen: int | None = Non
         side = name.rsplit("_", 1)[-1]
         raise ValueError(f"max_seqlen_{side} ({max_seqlen}) is smaller than the longest sequence "
                          f"in {name} ({longest} tokens); pass max_seqlen_{side} >= {longest}")
+
+
+@dataclass(frozen=True)
+class KVCacheCall:
+    """What a validated ``flash_attn_with_kvcache`` call appends and rotates."""
+    batch: int
+    seqlen_cache: int     # rows of a cache entry
+    seqlen_new: int       # rows of new k/v appended at cache_seqlens (0: none)
+    rotary_dim: int       # leading head-dim channels rotated (0: no rotary)
+    rotate_q_per_row: bool  # q row i at position cache_seqlens + i (causal or local), else
+                            # every row at cache_seqlens
+    seqlen_q: int = 0
+
+    @property
+    def rotary_positions(self) -> int:
+        """Positions past cache_seqlens[b] that the rotary tables must hold."""
+        return max(self.seqlen_new, self.seqlen_q if self.rotate_q_per_row else 1)
+
+
+def check_kvcache(q_shape: Shape, k_cache_shape: Shape, v_cache_shape: Shape,
+                  k_shape: Shape | None, v_shape: Shape | None, *, cache_seqlens_shape,
+                  cache_seqlens_dtype: str | None, cache_batch_idx_shape=None,
+                  cache_batch_idx_dtype: str | None = None, rotary_cos_shape=None,
+                  rotary_sin_shape=None, causal: bool = False,
+                  window_size=(-1, -1)) -> KVCacheCall:
+    """Validate what the KV-cache call adds to attention (the attention itself is checked
+    by ``check_problem``): the cache's and new k/v's shapes, cache_seqlens (None: an int,
+    else (batch,) int32), cache_batch_idx ((batch,) int32) and the rotary tables
+    ((seqlen_ro, rotary_dim / 2) each, rotary_dim <= head_dim, even)."""
+    q_shape, k_cache_shape = tuple(q_shape), tuple(k_cache_shape)
+    _check_rank("q", q_shape, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    _check_rank("k_cache", k_cache_shape, 4, "(batch_cache, seqlen_cache, heads_k, head_dim)")
+    if tuple(v_cache_shape) != k_cache_shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape; got k_cache "
+                         f"{k_cache_shape}, v_cache {tuple(v_cache_shape)}")
+    batch = q_shape[0]
+    _, seqlen_cache, heads_k, head_dim = k_cache_shape
+    if (k_shape is None) != (v_shape is None):
+        raise ValueError("k and v are appended together: pass both or neither")
+    seqlen_new = 0
+    if k_shape is not None:
+        k_shape, v_shape = tuple(k_shape), tuple(v_shape)
+        _check_rank("k", k_shape, 4, "(batch, seqlen_new, heads_k, head_dim)")
+        if k_shape != v_shape or k_shape[0] != batch or k_shape[2:] != (heads_k, head_dim):
+            raise ValueError(f"k and v must have shape (batch, seqlen_new, heads_k, head_dim) = "
+                             f"({batch}, seqlen_new, {heads_k}, {head_dim}); got k {k_shape}, "
+                             f"v {v_shape}")
+        seqlen_new = k_shape[1]
+        if seqlen_new > seqlen_cache:
+            raise ValueError(f"k has {seqlen_new} new rows, more than the cache holds "
+                             f"({seqlen_cache})")
+    if cache_seqlens_shape is not None:
+        if cache_seqlens_dtype != "int32":
+            raise TypeError(f"cache_seqlens must be an int or an int32 tensor; got "
+                            f"{cache_seqlens_dtype}")
+        if tuple(cache_seqlens_shape) != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got "
+                             f"{tuple(cache_seqlens_shape)}")
+    if cache_batch_idx_shape is not None:
+        if cache_batch_idx_dtype != "int32":
+            raise TypeError(f"cache_batch_idx must be int32; got {cache_batch_idx_dtype}")
+        if tuple(cache_batch_idx_shape) != (batch,):
+            raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got "
+                             f"{tuple(cache_batch_idx_shape)}")
+    elif k_cache_shape[0] != batch:
+        raise ValueError(f"k_cache must hold one entry per batch entry ({batch}) without "
+                         f"cache_batch_idx; got k_cache {k_cache_shape}")
+    rotary_dim = 0
+    if (rotary_cos_shape is None) != (rotary_sin_shape is None):
+        raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
+    if rotary_cos_shape is not None:
+        if seqlen_new == 0:
+            raise ValueError("rotary_cos/rotary_sin rotate the new keys: pass k and v too")
+        cos, sin = tuple(rotary_cos_shape), tuple(rotary_sin_shape)
+        if len(cos) != 2 or cos != sin or not 0 < 2 * cos[1] <= head_dim:
+            raise ValueError(f"rotary_cos and rotary_sin must both have shape (seqlen_ro, "
+                             f"rotary_dim / 2) with rotary_dim <= head_dim ({head_dim}); got "
+                             f"{cos} and {sin}")
+        rotary_dim = 2 * cos[1]
+    causal = check_bool("causal", causal)
+    per_row = causal or tuple(window_size) != (-1, -1)
+    return KVCacheCall(batch, seqlen_cache, seqlen_new, rotary_dim, per_row, q_shape[1])
+
+
+def check_cache_seqlens(values, call: KVCacheCall, seqlen_ro: int | None = None) -> None:
+    """Host values of cache_seqlens: the new rows fit, and the rotary tables cover every
+    position rotated."""
+    for b, used in enumerate(values):
+        if not 0 <= used <= call.seqlen_cache - call.seqlen_new:
+            raise ValueError(f"cache_seqlens[{b}] = {used}: with {call.seqlen_new} new rows the "
+                             f"cache of {call.seqlen_cache} rows takes values in "
+                             f"[0, {call.seqlen_cache - call.seqlen_new}]")
+        if seqlen_ro is not None and used + call.rotary_positions > seqlen_ro:
+            raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} positions; cache_seqlens"
+                             f"[{b}] = {used} needs {used + call.rotary_positions}")
+
+
+def check_cache_batch_idx(values, batch_cache: int) -> None:
+    for b, index in enumerate(values):
+        if not 0 <= index < batch_cache:
+            raise ValueError(f"cache_batch_idx[{b}] = {index} is outside the cache's "
+                             f"{batch_cache} entries")
 
 
 RING_LAYOUTS = ("contiguous", "zigzag")
@@ -594,9 +719,11 @@ def _use_tma(cfg, override: bool | None, capability, dtype: str,
 
 def _host_descriptors_allowed(p: "AttentionProblem", host: bool, *strides) -> bool:
     """Descriptors over whole (batch, seqlen, heads, head_dim) arrays, made on the host,
-    can stand for the device-made ones: not for packed varlen batches (a sequence's blocks
-    must end at its own last row) nor broadcast arrays (a stride of 0)."""
-    return host and not p.varlen and all(s > 0 for st in strides for s in st)
+    can stand for the device-made ones: not for packed varlen batches nor with seqused_k
+    (a sequence's blocks must end at its own last (used) row: the rows past it may hold
+    anything, NaN included, and 0 * NaN would reach the sums) nor broadcast arrays (a
+    stride of 0)."""
+    return host and not p.varlen and not p.seqused_k and all(s > 0 for st in strides for s in st)
 
 
 def _flat_rows(shape: Shape, strides: tuple[int, int, int], block_d: int) -> tuple | None:
@@ -812,7 +939,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         outputs=outputs,
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, **_feature_constexprs(p), IS_VARLEN=p.varlen,
-                        DOT_PRECISION=p.dot_precision,
+                        HAS_SEQUSED_K=p.seqused_k, DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
                         PACK_GQA=packed, SPLIT_KV=split, USE_TMA=flags["USE_TMA"],
                         HOST_TMA=flags["HOST_TMA"], FOLD_SCALE=fold_scale(p)),
@@ -922,7 +1049,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     def constexprs(cfg, **extra):
         return dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
                     BLOCK_N=cfg.block_n, **_feature_constexprs(p), **extra, IS_VARLEN=p.varlen,
-                    DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=aligned)
+                    HAS_SEQUSED_K=p.seqused_k, DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=aligned)
 
     bias_grad = bool(bias_grad and p.bias_shape is not None)
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
@@ -937,8 +1064,9 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
         inputs=BACKWARD_INPUTS,
         scalars=dict(common_scalars, **_named("dk", dkv_st, "bnh"), **_named("dv", dkv_st, "bnh")),
-        outputs=(Output("dk", p.kv_shape, p.dtype, zeroed=p.varlen),
-                 Output("dv", p.kv_shape, p.dtype, zeroed=p.varlen)),
+        # Key rows no sequence uses (past seqused_k, or between packed sequences) get 0.
+        outputs=(Output("dk", p.kv_shape, p.dtype, zeroed=p.varlen or p.seqused_k),
+                 Output("dv", p.kv_shape, p.dtype, zeroed=p.varlen or p.seqused_k)),
         constexprs=constexprs(kv, **kv_flags, DKDV_PARTS=parts),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,

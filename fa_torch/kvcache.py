@@ -1,0 +1,137 @@
+"""flash-attn's ``flash_attn_with_kvcache`` on the shared kernels.
+
+New k/v are written into the cache in place at ``cache_seqlens`` (rotated first when
+rotary tables are given), q is rotated at its positions, and the attention reads each
+entry's filled rows only: the kernels' ``seqused_k`` (``cache_seqlens`` plus the new
+rows), so the unfilled tail of the cache is never read.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from fa_kernels import plan as fa_plan
+
+from ._launch import dtype_name
+from .ops import _attention
+
+
+def rotary(x, cos, sin, positions, interleaved: bool):
+    """``x`` (B, S, H, D) with its first ``2 * cos.shape[1]`` channels rotated by the
+    angles of ``positions`` (B, S) (clamped into the tables), computed in fp32: pairs
+    (0, 1), (2, 3), ... when ``interleaved`` (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)."""
+    half = cos.shape[1]
+    rows = positions.clamp(0, cos.shape[0] - 1).long()
+    c, s = (t.float()[rows][:, :, None, :] for t in (cos, sin))
+    part = x[..., :2 * half].float()
+    if interleaved:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = part[..., :half], part[..., half:]
+        out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([out.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def _check_tensor(name, x, required: bool = False):
+    if x is None and not required:
+        return
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn's incremental-decoding call (same names, order, defaults, returns).
+
+    q ``(batch, seqlen_q, heads_q, head_dim)``; k_cache, v_cache ``(batch_cache,
+    seqlen_cache, heads_k, head_dim)``; k, v ``(batch, seqlen_new, heads_k, head_dim)``,
+    written **in place** into the cache at rows ``cache_seqlens[b] ...`` of entry
+    ``cache_batch_idx[b]`` (default b). ``cache_seqlens``: an int or a (batch,) int32
+    tensor, the filled rows before the new ones (None: every cache entry is full).
+    ``rotary_cos``/``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)`` rotate the new k at
+    their positions and q at ``cache_seqlens + i`` (causal or a window) or at
+    ``cache_seqlens`` (otherwise). Causal and windows align bottom-right to the filled
+    rows. ``num_splits`` is accepted; the plan chooses the key splits.
+    ``cache_leftpad`` and ``block_table`` (paged caches) are not supported yet.
+    Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse``.
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV cache) is not supported yet")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not supported yet")
+    for name, x, required in (("q", q, True), ("k_cache", k_cache, True),
+                              ("v_cache", v_cache, True), ("k", k, False), ("v", v, False),
+                              ("rotary_cos", rotary_cos, False), ("rotary_sin", rotary_sin, False),
+                              ("cache_batch_idx", cache_batch_idx, False)):
+        _check_tensor(name, x, required)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
+            or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: the plan chooses); got "
+                         f"{num_splits!r}")
+    return_softmax_lse = fa_plan.check_bool("return_softmax_lse", return_softmax_lse)
+    seqlens_given = isinstance(cache_seqlens, torch.Tensor)
+    if not (cache_seqlens is None or seqlens_given or (
+            isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool))):
+        raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor; got "
+                        f"{type(cache_seqlens).__name__}")
+    call = fa_plan.check_kvcache(
+        q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
+        None if v is None else v.shape,
+        cache_seqlens_shape=tuple(cache_seqlens.shape) if seqlens_given else None,
+        cache_seqlens_dtype=dtype_name(cache_seqlens.dtype) if seqlens_given else None,
+        cache_batch_idx_shape=None if cache_batch_idx is None else tuple(cache_batch_idx.shape),
+        cache_batch_idx_dtype=None if cache_batch_idx is None else dtype_name(cache_batch_idx.dtype),
+        rotary_cos_shape=None if rotary_cos is None else tuple(rotary_cos.shape),
+        rotary_sin_shape=None if rotary_sin is None else tuple(rotary_sin.shape),
+        causal=causal, window_size=window_size)
+    if call.seqlen_new and cache_seqlens is None:
+        raise ValueError("appending k and v needs cache_seqlens (where the new rows go)")
+    for name, x in (("k", k), ("v", v)):
+        if x is not None and x.dtype != k_cache.dtype:
+            raise TypeError(f"{name} must have the cache's dtype {k_cache.dtype}; got {x.dtype}")
+    device = q.device
+    if cache_seqlens is None:
+        seqlens = torch.full((call.batch,), call.seqlen_cache, dtype=torch.int32, device=device)
+    elif not seqlens_given:
+        seqlens = torch.full((call.batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+    else:
+        seqlens = cache_seqlens.to(device)
+    # Values on the host are checked; on the GPU they are clamped (checking needs a sync).
+    host_seqlens = ([int(cache_seqlens)] * call.batch if cache_seqlens is not None
+                    and not seqlens_given else None)
+    if seqlens_given and not cache_seqlens.is_cuda:
+        host_seqlens = cache_seqlens.tolist()
+    if host_seqlens is not None:
+        fa_plan.check_cache_seqlens(
+            host_seqlens, call, None if rotary_cos is None else rotary_cos.shape[0])
+    if cache_batch_idx is not None and not cache_batch_idx.is_cuda:
+        fa_plan.check_cache_batch_idx(cache_batch_idx.tolist(), k_cache.shape[0])
+    # Device values are clamped: the new rows always land inside the cache.
+    start = seqlens.clamp(0, call.seqlen_cache - call.seqlen_new)
+    rows = (torch.arange(call.batch, device=device) if cache_batch_idx is None
+            else cache_batch_idx.to(device).long().clamp(0, k_cache.shape[0] - 1))
+    if call.seqlen_new:
+        offsets = torch.arange(call.seqlen_new, device=device)
+        where = start[:, None].long() + offsets
+        if call.rotary_dim:
+            k = rotary(k, rotary_cos, rotary_sin, where, rotary_interleaved)
+        with torch.no_grad():
+            k_cache[rows[:, None], where] = k
+            v_cache[rows[:, None], where] = v
+    if call.rotary_dim:
+        rows_q = torch.arange(q.shape[1], device=device) if call.rotate_q_per_row else 0
+        q = rotary(q, rotary_cos, rotary_sin, start[:, None].long() + rows_q, rotary_interleaved)
+    keys, values = ((k_cache, v_cache) if cache_batch_idx is None
+                    else (k_cache[rows], v_cache[rows]))
+    used = (start + call.seqlen_new).to(torch.int32)
+    out, lse = _attention(q, keys, values, None, None, 0, 0, causal=causal,
+                          softmax_scale=softmax_scale, bias=None, alibi_slopes=alibi_slopes,
+                          window_size=window_size, softcap=softcap, dropout_p=0.0,
+                          dropout_seed=None, return_lse=True, seqused_k=used)
+    return (out, lse) if return_softmax_lse else out
