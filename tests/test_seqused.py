@@ -102,7 +102,13 @@ def test_seqused_k_with_split_kv(front_name):
                                     "bfloat16", seqused_k_shape=(batch,),
                                     seqused_k_dtype="int32")
     capability = torch.cuda.get_device_capability() if ON_GPU else None
-    fwd = fa_plan.forward_plan(problem, capability=capability, num_splits=4)
+    if front_name == "jax":  # (what fa_jax's launcher can pass: no device descriptors)
+        from fa_jax import _launch
+
+        options = _launch.plan_options()
+    else:
+        options = {}
+    fwd = fa_plan.forward_plan(problem, capability=capability, num_splits=4, **options)
     assert fwd.num_splits == 4
     runner = forward_plan_torch if front_name == "torch" else forward_plan_jax
     out, lse = runner(fwd, launch_arrays(q, k, v, seqused_k=used))
