@@ -6,8 +6,6 @@ place. The attention reads each entry's filled rows only (the kernels' ``seqused
 """
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,53 +48,27 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     there (``cache_seqlens`` an int or a (batch,) int32 array, possibly traced: traced
     values are clamped so the new rows land inside the cache). ``cache_leftpad`` and
     ``block_table`` are not supported yet."""
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not supported yet")
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not supported yet")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
-            or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: the plan chooses); got "
-                         f"{num_splits!r}")
-    return_softmax_lse = fa_plan.check_bool("return_softmax_lse", return_softmax_lse)
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                    ("cache_batch_idx", cache_batch_idx)):
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
+                 rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    seqlens_given = hasattr(cache_seqlens, "shape")
+    if seqlens_given:
+        named["cache_seqlens"] = cache_seqlens
+    for name, x in named.items():
         if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be a jax or numpy array; got {type(x).__name__}")
-    seqlens_array = hasattr(cache_seqlens, "shape")
-    if not (cache_seqlens is None or seqlens_array or (
-            isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool))):
-        raise TypeError(f"cache_seqlens must be None, an int or an int32 array; got "
-                        f"{type(cache_seqlens).__name__}")
-    name = lambda x: None if x is None else jnp.dtype(x.dtype).name  # noqa: E731
     call = fa_plan.check_kvcache(
-        q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
-        None if v is None else v.shape,
-        cache_seqlens_shape=tuple(cache_seqlens.shape) if seqlens_array else None,
-        cache_seqlens_dtype=name(cache_seqlens) if seqlens_array else None,
-        cache_batch_idx_shape=None if cache_batch_idx is None else tuple(cache_batch_idx.shape),
-        cache_batch_idx_dtype=name(cache_batch_idx),
-        rotary_cos_shape=None if rotary_cos is None else tuple(rotary_cos.shape),
-        rotary_sin_shape=None if rotary_sin is None else tuple(rotary_sin.shape),
-        causal=causal, window_size=window_size)
-    if call.seqlen_new and cache_seqlens is None:
-        raise ValueError("appending k and v needs cache_seqlens (where the new rows go)")
-    for label, x in (("k", k), ("v", v)):
-        if x is not None and jnp.dtype(x.dtype) != jnp.dtype(k_cache.dtype):
-            raise TypeError(f"{label} must have the cache's dtype {name(k_cache)}; got "
-                            f"{name(x)}")
-    if cache_seqlens is None:
-        seqlens = jnp.full((call.batch,), call.seqlen_cache, jnp.int32)
-    elif not seqlens_array:
-        seqlens = jnp.full((call.batch,), int(cache_seqlens), jnp.int32)
-        fa_plan.check_cache_seqlens([int(cache_seqlens)] * call.batch, call,
-                                    None if rotary_cos is None else rotary_cos.shape[0])
-    else:
-        if _concrete(cache_seqlens):
-            fa_plan.check_cache_seqlens(np.asarray(cache_seqlens).tolist(), call,
-                                        None if rotary_cos is None else rotary_cos.shape[0])
+        {n: (tuple(x.shape), jnp.dtype(x.dtype).name) for n, x in named.items()
+         if x is not None},
+        cache_seqlens=None if seqlens_given else cache_seqlens, causal=causal,
+        window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse,
+        block_table=block_table is not None, cache_leftpad=cache_leftpad is not None)
+    if seqlens_given:
         seqlens = jnp.asarray(cache_seqlens)
+        if _concrete(cache_seqlens):  # checked (traced: clamped below)
+            fa_plan.check_cache_seqlens(np.asarray(cache_seqlens).tolist(), call)
+    else:
+        filled = call.seqlen_cache if call.cache_seqlens is None else call.cache_seqlens
+        seqlens = jnp.full((call.batch,), filled, jnp.int32)
     if _concrete(cache_batch_idx):
         fa_plan.check_cache_batch_idx(np.asarray(cache_batch_idx).tolist(), k_cache.shape[0])
     k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
@@ -119,4 +91,4 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     out, lse = attention(q, keys, values, causal=causal, softmax_scale=softmax_scale,
                          alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                          return_lse=True, seqused_k=(start + call.seqlen_new).astype(jnp.int32))
-    return (out, lse, k_cache, v_cache) if return_softmax_lse else (out, k_cache, v_cache)
+    return (out, lse, k_cache, v_cache) if call.return_lse else (out, k_cache, v_cache)

@@ -7,8 +7,6 @@ rows), so the unfilled tail of the cache is never read.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from fa_kernels import plan as fa_plan
@@ -34,13 +32,6 @@ def rotary(x, cos, sin, positions, interleaved: bool):
     return torch.cat([out.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
-def _check_tensor(name, x, required: bool = False):
-    if x is None and not required:
-        return
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
@@ -61,55 +52,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``cache_leftpad`` and ``block_table`` (paged caches) are not supported yet.
     Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse``.
     """
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not supported yet")
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not supported yet")
-    for name, x, required in (("q", q, True), ("k_cache", k_cache, True),
-                              ("v_cache", v_cache, True), ("k", k, False), ("v", v, False),
-                              ("rotary_cos", rotary_cos, False), ("rotary_sin", rotary_sin, False),
-                              ("cache_batch_idx", cache_batch_idx, False)):
-        _check_tensor(name, x, required)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
-            or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: the plan chooses); got "
-                         f"{num_splits!r}")
-    return_softmax_lse = fa_plan.check_bool("return_softmax_lse", return_softmax_lse)
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
+                 rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     seqlens_given = isinstance(cache_seqlens, torch.Tensor)
-    if not (cache_seqlens is None or seqlens_given or (
-            isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool))):
-        raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor; got "
-                        f"{type(cache_seqlens).__name__}")
+    if seqlens_given:
+        named["cache_seqlens"] = cache_seqlens
+    for name, x in named.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     call = fa_plan.check_kvcache(
-        q.shape, k_cache.shape, v_cache.shape, None if k is None else k.shape,
-        None if v is None else v.shape,
-        cache_seqlens_shape=tuple(cache_seqlens.shape) if seqlens_given else None,
-        cache_seqlens_dtype=dtype_name(cache_seqlens.dtype) if seqlens_given else None,
-        cache_batch_idx_shape=None if cache_batch_idx is None else tuple(cache_batch_idx.shape),
-        cache_batch_idx_dtype=None if cache_batch_idx is None else dtype_name(cache_batch_idx.dtype),
-        rotary_cos_shape=None if rotary_cos is None else tuple(rotary_cos.shape),
-        rotary_sin_shape=None if rotary_sin is None else tuple(rotary_sin.shape),
-        causal=causal, window_size=window_size)
-    if call.seqlen_new and cache_seqlens is None:
-        raise ValueError("appending k and v needs cache_seqlens (where the new rows go)")
-    for name, x in (("k", k), ("v", v)):
-        if x is not None and x.dtype != k_cache.dtype:
-            raise TypeError(f"{name} must have the cache's dtype {k_cache.dtype}; got {x.dtype}")
+        {n: (tuple(x.shape), dtype_name(x.dtype)) for n, x in named.items() if x is not None},
+        cache_seqlens=None if seqlens_given else cache_seqlens, causal=causal,
+        window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse,
+        block_table=block_table is not None, cache_leftpad=cache_leftpad is not None)
     device = q.device
-    if cache_seqlens is None:
-        seqlens = torch.full((call.batch,), call.seqlen_cache, dtype=torch.int32, device=device)
-    elif not seqlens_given:
-        seqlens = torch.full((call.batch,), int(cache_seqlens), dtype=torch.int32, device=device)
-    else:
+    if seqlens_given:
         seqlens = cache_seqlens.to(device)
-    # Values on the host are checked; on the GPU they are clamped (checking needs a sync).
-    host_seqlens = ([int(cache_seqlens)] * call.batch if cache_seqlens is not None
-                    and not seqlens_given else None)
-    if seqlens_given and not cache_seqlens.is_cuda:
-        host_seqlens = cache_seqlens.tolist()
-    if host_seqlens is not None:
-        fa_plan.check_cache_seqlens(
-            host_seqlens, call, None if rotary_cos is None else rotary_cos.shape[0])
+        if not cache_seqlens.is_cuda:  # on the host: checked (on the GPU: clamped below)
+            fa_plan.check_cache_seqlens(cache_seqlens.tolist(), call)
+    else:
+        filled = call.seqlen_cache if call.cache_seqlens is None else call.cache_seqlens
+        seqlens = torch.full((call.batch,), filled, dtype=torch.int32, device=device)
     if cache_batch_idx is not None and not cache_batch_idx.is_cuda:
         fa_plan.check_cache_batch_idx(cache_batch_idx.tolist(), k_cache.shape[0])
     # Device values are clamped: the new rows always land inside the cache.
@@ -134,4 +97,4 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                           softmax_scale=softmax_scale, bias=None, alibi_slopes=alibi_slopes,
                           window_size=window_size, softcap=softcap, dropout_p=0.0,
                           dropout_seed=None, return_lse=True, seqused_k=used)
-    return (out, lse) if return_softmax_lse else out
+    return (out, lse) if call.return_lse else out

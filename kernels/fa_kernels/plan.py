@@ -522,6 +522,10 @@ class KVCacheCall:
     rotate_q_per_row: bool  # q row i at position cache_seqlens + i (causal or local), else
                             # every row at cache_seqlens
     seqlen_q: int = 0
+    seqlen_ro: int = 0    # positions in the rotary tables
+    cache_seqlens: int | None = None  # the value when given as an int (None: an array, or
+                                      # every entry full)
+    return_lse: bool = False
 
     @property
     def rotary_positions(self) -> int:
@@ -529,72 +533,100 @@ class KVCacheCall:
         return max(self.seqlen_new, self.seqlen_q if self.rotate_q_per_row else 1)
 
 
-def check_kvcache(q_shape: Shape, k_cache_shape: Shape, v_cache_shape: Shape,
-                  k_shape: Shape | None, v_shape: Shape | None, *, cache_seqlens_shape,
-                  cache_seqlens_dtype: str | None, cache_batch_idx_shape=None,
-                  cache_batch_idx_dtype: str | None = None, rotary_cos_shape=None,
-                  rotary_sin_shape=None, causal: bool = False,
-                  window_size=(-1, -1)) -> KVCacheCall:
+def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size=(-1, -1),
+                  num_splits=0, return_softmax_lse=False, block_table=False,
+                  cache_leftpad=False) -> KVCacheCall:
     """Validate what the KV-cache call adds to attention (the attention itself is checked
-    by ``check_problem``): the cache's and new k/v's shapes, cache_seqlens (None: an int,
-    else (batch,) int32), cache_batch_idx ((batch,) int32) and the rotary tables
-    ((seqlen_ro, rotary_dim / 2) each, rotary_dim <= head_dim, even)."""
-    q_shape, k_cache_shape = tuple(q_shape), tuple(k_cache_shape)
+    by ``check_problem``). ``arrays``: (shape, dtype name) by name of the arrays given
+    (q, k_cache, v_cache; k, v, cache_seqlens, cache_batch_idx, rotary_cos, rotary_sin
+    when given); ``cache_seqlens`` is the value when it is not an array (None or an int).
+    ``block_table``, ``cache_leftpad``: whether they were given (not supported yet).
+    """
+    for name, given in (("block_table (paged KV cache)", block_table),
+                        ("cache_leftpad", cache_leftpad)):
+        if given:
+            raise NotImplementedError(f"{name} is not supported yet")
+    def shape(name):
+        return tuple(arrays[name][0]) if name in arrays else None
+
+    def dtype(name):
+        return arrays[name][1] if name in arrays else None
+
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
+            or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: the plan chooses); got "
+                         f"{num_splits!r}")
+    q_shape, k_cache_shape = shape("q"), shape("k_cache")
     _check_rank("q", q_shape, 4, "(batch, seqlen_q, heads_q, head_dim)")
     _check_rank("k_cache", k_cache_shape, 4, "(batch_cache, seqlen_cache, heads_k, head_dim)")
-    if tuple(v_cache_shape) != k_cache_shape:
+    if shape("v_cache") != k_cache_shape:
         raise ValueError(f"k_cache and v_cache must have the same shape; got k_cache "
-                         f"{k_cache_shape}, v_cache {tuple(v_cache_shape)}")
+                         f"{k_cache_shape}, v_cache {shape('v_cache')}")
     batch = q_shape[0]
     _, seqlen_cache, heads_k, head_dim = k_cache_shape
-    if (k_shape is None) != (v_shape is None):
+    if ("k" in arrays) != ("v" in arrays):
         raise ValueError("k and v are appended together: pass both or neither")
     seqlen_new = 0
-    if k_shape is not None:
-        k_shape, v_shape = tuple(k_shape), tuple(v_shape)
+    if "k" in arrays:
+        k_shape, v_shape = shape("k"), shape("v")
         _check_rank("k", k_shape, 4, "(batch, seqlen_new, heads_k, head_dim)")
         if k_shape != v_shape or k_shape[0] != batch or k_shape[2:] != (heads_k, head_dim):
             raise ValueError(f"k and v must have shape (batch, seqlen_new, heads_k, head_dim) = "
                              f"({batch}, seqlen_new, {heads_k}, {head_dim}); got k {k_shape}, "
                              f"v {v_shape}")
+        for name in ("k", "v"):
+            if dtype(name) != dtype("k_cache"):
+                raise TypeError(f"{name} must have the cache's dtype {dtype('k_cache')}; got "
+                                f"{dtype(name)}")
         seqlen_new = k_shape[1]
         if seqlen_new > seqlen_cache:
             raise ValueError(f"k has {seqlen_new} new rows, more than the cache holds "
                              f"({seqlen_cache})")
-    if cache_seqlens_shape is not None:
-        if cache_seqlens_dtype != "int32":
+    if "cache_seqlens" in arrays:
+        if dtype("cache_seqlens") != "int32":
             raise TypeError(f"cache_seqlens must be an int or an int32 tensor; got "
-                            f"{cache_seqlens_dtype}")
-        if tuple(cache_seqlens_shape) != (batch,):
+                            f"{dtype('cache_seqlens')}")
+        if shape("cache_seqlens") != (batch,):
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got "
-                             f"{tuple(cache_seqlens_shape)}")
-    if cache_batch_idx_shape is not None:
-        if cache_batch_idx_dtype != "int32":
-            raise TypeError(f"cache_batch_idx must be int32; got {cache_batch_idx_dtype}")
-        if tuple(cache_batch_idx_shape) != (batch,):
+                             f"{shape('cache_seqlens')}")
+    elif cache_seqlens is not None and (isinstance(cache_seqlens, bool) or not isinstance(
+            cache_seqlens, numbers.Integral)):
+        raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor; got "
+                        f"{type(cache_seqlens).__name__}")
+    elif cache_seqlens is None and seqlen_new:
+        raise ValueError("appending k and v needs cache_seqlens (where the new rows go)")
+    if "cache_batch_idx" in arrays:
+        if dtype("cache_batch_idx") != "int32":
+            raise TypeError(f"cache_batch_idx must be int32; got {dtype('cache_batch_idx')}")
+        if shape("cache_batch_idx") != (batch,):
             raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got "
-                             f"{tuple(cache_batch_idx_shape)}")
+                             f"{shape('cache_batch_idx')}")
     elif k_cache_shape[0] != batch:
         raise ValueError(f"k_cache must hold one entry per batch entry ({batch}) without "
                          f"cache_batch_idx; got k_cache {k_cache_shape}")
-    rotary_dim = 0
-    if (rotary_cos_shape is None) != (rotary_sin_shape is None):
+    rotary_dim = seqlen_ro = 0
+    if ("rotary_cos" in arrays) != ("rotary_sin" in arrays):
         raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
-    if rotary_cos_shape is not None:
+    if "rotary_cos" in arrays:
         if seqlen_new == 0:
             raise ValueError("rotary_cos/rotary_sin rotate the new keys: pass k and v too")
-        cos, sin = tuple(rotary_cos_shape), tuple(rotary_sin_shape)
+        cos, sin = shape("rotary_cos"), shape("rotary_sin")
         if len(cos) != 2 or cos != sin or not 0 < 2 * cos[1] <= head_dim:
             raise ValueError(f"rotary_cos and rotary_sin must both have shape (seqlen_ro, "
                              f"rotary_dim / 2) with rotary_dim <= head_dim ({head_dim}); got "
                              f"{cos} and {sin}")
-        rotary_dim = 2 * cos[1]
+        seqlen_ro, rotary_dim = cos[0], 2 * cos[1]
     causal = check_bool("causal", causal)
     per_row = causal or tuple(window_size) != (-1, -1)
-    return KVCacheCall(batch, seqlen_cache, seqlen_new, rotary_dim, per_row, q_shape[1])
+    call = KVCacheCall(batch, seqlen_cache, seqlen_new, rotary_dim, per_row, q_shape[1],
+                       seqlen_ro, None if cache_seqlens is None else int(cache_seqlens),
+                       check_bool("return_softmax_lse", return_softmax_lse))
+    if call.cache_seqlens is not None:
+        check_cache_seqlens([call.cache_seqlens] * batch, call)
+    return call
 
 
-def check_cache_seqlens(values, call: KVCacheCall, seqlen_ro: int | None = None) -> None:
+def check_cache_seqlens(values, call: KVCacheCall) -> None:
     """Host values of cache_seqlens: the new rows fit, and the rotary tables cover every
     position rotated."""
     for b, used in enumerate(values):
@@ -602,9 +634,9 @@ def check_cache_seqlens(values, call: KVCacheCall, seqlen_ro: int | None = None)
             raise ValueError(f"cache_seqlens[{b}] = {used}: with {call.seqlen_new} new rows the "
                              f"cache of {call.seqlen_cache} rows takes values in "
                              f"[0, {call.seqlen_cache - call.seqlen_new}]")
-        if seqlen_ro is not None and used + call.rotary_positions > seqlen_ro:
-            raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} positions; cache_seqlens"
-                             f"[{b}] = {used} needs {used + call.rotary_positions}")
+        if call.rotary_dim and used + call.rotary_positions > call.seqlen_ro:
+            raise ValueError(f"rotary_cos/rotary_sin have {call.seqlen_ro} positions; "
+                             f"cache_seqlens[{b}] = {used} needs {used + call.rotary_positions}")
 
 
 def check_cache_batch_idx(values, batch_cache: int) -> None:
