@@ -301,12 +301,9 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
           return_lse, deterministic, seqused_k=None):
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     return_lse = fa_plan.check_bool("return_lse", return_lse)
-    named = {"q": q, "k": k, "v": v}
-    for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
-                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                    ("seqused_k", seqused_k)):
-        if x is not None:
-            named[name] = x
+    given = dict(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    named = {name: x for name, x in given.items() if x is not None}
     _check_arrays(named)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")

@@ -59,12 +59,9 @@ def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seql
                softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                dropout_p=0.0) -> fa_plan.AttentionProblem:
     """Validate torch inputs and options (raises before any launch)."""
-    named = {"q": q, "k": k, "v": v}
-    for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes),
-                    ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                    ("seqused_k", seqused_k)):
-        if x is not None:
-            named[name] = x
+    given = dict(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    named = {name: x for name, x in given.items() if x is not None}
     _check_tensors(named)
     name = _launch.dtype_name
     varlen = None
