@@ -46,10 +46,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     ``(out, k_cache, v_cache)``, or ``(out, softmax_lse, k_cache, v_cache)`` with
     ``return_softmax_lse``; the caches hold the new rows. Same shapes and options as
     there (``cache_seqlens`` an int or a (batch,) int32 array, possibly traced: traced
-    values are clamped so the new rows land inside the cache). ``cache_leftpad`` and
-    ``block_table`` are not supported yet."""
+    values are clamped so the new rows land inside the cache). ``block_table`` is not
+    supported yet."""
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
-                 rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     seqlens_given = hasattr(cache_seqlens, "shape")
     if seqlens_given:
         named["cache_seqlens"] = cache_seqlens
@@ -61,7 +61,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
          if x is not None},
         cache_seqlens=None if seqlens_given else cache_seqlens, causal=causal,
         window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse,
-        block_table=block_table is not None, cache_leftpad=cache_leftpad is not None)
+        block_table=block_table is not None)
     if seqlens_given:
         seqlens = jnp.asarray(cache_seqlens)
         if _concrete(cache_seqlens):  # checked (traced: clamped below)
@@ -71,6 +71,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         seqlens = jnp.full((call.batch,), filled, jnp.int32)
     if _concrete(cache_batch_idx):
         fa_plan.check_cache_batch_idx(np.asarray(cache_batch_idx).tolist(), k_cache.shape[0])
+    if _concrete(cache_leftpad):
+        fa_plan.check_cache_leftpad(np.asarray(cache_leftpad).tolist(),
+                                    np.asarray(seqlens).tolist() if _concrete(seqlens) else None)
     k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
     start = jnp.clip(seqlens, 0, call.seqlen_cache - call.seqlen_new)
     rows = (jnp.arange(call.batch) if cache_batch_idx is None
@@ -86,9 +89,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     if call.rotary_dim:
         rows_q = jnp.arange(q.shape[1]) if call.rotate_q_per_row else jnp.zeros((1,), jnp.int32)
         q = rotary(q, rotary_cos, rotary_sin, start[:, None] + rows_q, rotary_interleaved)
-    keys, values = ((k_cache, v_cache) if cache_batch_idx is None
-                    else (k_cache[rows], v_cache[rows]))
+    used = start + call.seqlen_new
+    if cache_leftpad is not None:
+        # Entry b's keys start at row cache_leftpad[b]: its rows from there are gathered to
+        # the front (a copy), so the kernels' row 0, the diagonal and ALiBi start there.
+        pad = jnp.minimum(jnp.maximum(jnp.asarray(cache_leftpad), 0), start)
+        index = jnp.minimum(pad[:, None] + jnp.arange(call.seqlen_cache), call.seqlen_cache - 1)
+        keys, values = k_cache[rows[:, None], index], v_cache[rows[:, None], index]
+        used = used - pad
+    elif cache_batch_idx is not None:
+        keys, values = k_cache[rows], v_cache[rows]
+    else:
+        keys, values = k_cache, v_cache
     out, lse = attention(q, keys, values, causal=causal, softmax_scale=softmax_scale,
                          alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                         return_lse=True, seqused_k=(start + call.seqlen_new).astype(jnp.int32))
+                         return_lse=True, seqused_k=used.astype(jnp.int32))
     return (out, lse, k_cache, v_cache) if call.return_lse else (out, k_cache, v_cache)

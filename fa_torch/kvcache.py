@@ -48,12 +48,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``rotary_cos``/``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)`` rotate the new k at
     their positions and q at ``cache_seqlens + i`` (causal or a window) or at
     ``cache_seqlens`` (otherwise). Causal and windows align bottom-right to the filled
-    rows. ``num_splits`` is accepted; the plan chooses the key splits.
-    ``cache_leftpad`` and ``block_table`` (paged caches) are not supported yet.
+    rows. ``cache_leftpad`` (batch,) int32: entry b's keys start at that row (positions
+    stay absolute for rotary). ``num_splits`` is accepted; the plan chooses the key
+    splits. ``block_table`` (paged caches) is not supported yet.
     Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse``.
     """
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
-                 rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     seqlens_given = isinstance(cache_seqlens, torch.Tensor)
     if seqlens_given:
         named["cache_seqlens"] = cache_seqlens
@@ -64,7 +65,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         {n: (tuple(x.shape), dtype_name(x.dtype)) for n, x in named.items() if x is not None},
         cache_seqlens=None if seqlens_given else cache_seqlens, causal=causal,
         window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse,
-        block_table=block_table is not None, cache_leftpad=cache_leftpad is not None)
+        block_table=block_table is not None)
     device = q.device
     if seqlens_given:
         seqlens = cache_seqlens.to(device)
@@ -75,6 +76,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlens = torch.full((call.batch,), filled, dtype=torch.int32, device=device)
     if cache_batch_idx is not None and not cache_batch_idx.is_cuda:
         fa_plan.check_cache_batch_idx(cache_batch_idx.tolist(), k_cache.shape[0])
+    if cache_leftpad is not None and not cache_leftpad.is_cuda:
+        fa_plan.check_cache_leftpad(cache_leftpad.tolist(), None if seqlens.is_cuda
+                                    else seqlens.tolist())
     # Device values are clamped: the new rows always land inside the cache.
     start = seqlens.clamp(0, call.seqlen_cache - call.seqlen_new)
     rows = (torch.arange(call.batch, device=device) if cache_batch_idx is None
@@ -90,9 +94,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if call.rotary_dim:
         rows_q = torch.arange(q.shape[1], device=device) if call.rotate_q_per_row else 0
         q = rotary(q, rotary_cos, rotary_sin, start[:, None].long() + rows_q, rotary_interleaved)
-    keys, values = ((k_cache, v_cache) if cache_batch_idx is None
-                    else (k_cache[rows], v_cache[rows]))
-    used = (start + call.seqlen_new).to(torch.int32)
+    used = start + call.seqlen_new
+    if cache_leftpad is not None:
+        # Entry b's keys start at row cache_leftpad[b]: its rows from there are gathered to
+        # the front (a copy), so the kernels' row 0, the diagonal and ALiBi start there.
+        pad = torch.minimum(cache_leftpad.to(device).clamp(min=0), start)
+        index = (pad[:, None].long() + torch.arange(call.seqlen_cache, device=device)).clamp(
+            max=call.seqlen_cache - 1)
+        keys, values = k_cache[rows[:, None], index], v_cache[rows[:, None], index]
+        used = used - pad
+    elif cache_batch_idx is not None:
+        keys, values = k_cache[rows], v_cache[rows]
+    else:
+        keys, values = k_cache, v_cache
+    used = used.to(torch.int32)
     out, lse = _attention(q, keys, values, None, None, 0, 0, causal=causal,
                           softmax_scale=softmax_scale, bias=None, alibi_slopes=alibi_slopes,
                           window_size=window_size, softcap=softcap, dropout_p=0.0,

@@ -24,7 +24,7 @@ def rotate_reference(x, angles, interleaved):
     return torch.cat([out.to(x.dtype), x[..., dim:]], dim=-1)
 
 
-def reference(q, k_cache, v_cache, k, v, angles, cache_seqlens, batch_idx, interleaved,
+def reference(q, k_cache, v_cache, k, v, angles, cache_seqlens, batch_idx, leftpad, interleaved,
               compute_dtype, **options):
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     batch, seqlen_q = q.shape[:2]
@@ -45,10 +45,11 @@ def reference(q, k_cache, v_cache, k, v, angles, cache_seqlens, batch_idx, inter
             k_cache[row, seqlens[b]:seqlens[b] + new] = k[b]
             v_cache[row, seqlens[b]:seqlens[b] + new] = v[b]
     outs, lses = [], []
-    for b, row in enumerate(rows):
-        used = seqlens[b] + new
-        out, lse = attention_reference(q[b:b + 1], k_cache[row:row + 1, :used],
-                                       v_cache[row:row + 1, :used],
+    pads = [0] * batch if leftpad is None else leftpad.tolist()
+    for b, row in enumerate(rows):  # keys [leftpad, cache_seqlens + new): positions from leftpad
+        first, used = pads[b], seqlens[b] + new
+        out, lse = attention_reference(q[b:b + 1], k_cache[row:row + 1, first:used],
+                                       v_cache[row:row + 1, first:used],
                                        compute_dtype=compute_dtype, **options)
         outs.append(out)
         lses.append(lse)
@@ -56,7 +57,7 @@ def reference(q, k_cache, v_cache, k, v, angles, cache_seqlens, batch_idx, inter
 
 
 def run_kvcache(front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch_idx,
-                **options):
+                leftpad=None, **options):
     """(out, lse, k_cache, v_cache) after the call (fa_torch updates its copies in place)."""
     if front == "torch":
         import fa_torch
@@ -64,8 +65,8 @@ def run_kvcache(front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch
         k_cache, v_cache = k_cache.clone(), v_cache.clone()
         out, lse = fa_torch.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
-            cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx, return_softmax_lse=True,
-            **options)
+            cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad,
+            return_softmax_lse=True, **options)
         return out, lse, k_cache, v_cache
     import fa_jax
 
@@ -75,13 +76,14 @@ def run_kvcache(front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch
     results = fa_jax.attention_with_kvcache(
         arr(q), arr(k_cache), arr(v_cache), arr(k), arr(v), rotary_cos=arr(cos),
         rotary_sin=arr(sin), cache_seqlens=arr(cache_seqlens), cache_batch_idx=arr(batch_idx),
-        return_softmax_lse=True, **options)
+        cache_leftpad=arr(leftpad), return_softmax_lse=True, **options)
     return tuple(from_numpy(x) for x in results)
 
 
 def check_kvcache(front, *, batch=3, seqlen_q=4, seqlen_new=4, heads_q=4, heads_k=2,
                   head_dim=32, seqlen_cache=40, rotary_dim=0, interleaved=True,
-                  batch_cache=None, dtype="bfloat16", seqlens=(0, 13, 36), seed=0, **options):
+                  batch_cache=None, dtype="bfloat16", seqlens=(0, 13, 36), leftpad=None, seed=0,
+                  **options):
     gen = torch.Generator().manual_seed(seed)
     make = lambda *s: torch.randn(*s, generator=gen).to(TORCH_DTYPES[dtype]).to(DEVICE)  # noqa: E731
     batch_cache = batch_cache or batch
@@ -94,17 +96,18 @@ def check_kvcache(front, *, batch=3, seqlen_q=4, seqlen_new=4, heads_q=4, heads_
     batch_idx = None
     if batch_cache != batch:
         batch_idx = torch.randperm(batch_cache, generator=gen)[:batch].to(torch.int32).to(DEVICE)
+    pads = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device=DEVICE)
     cos = sin = angles = None
     if rotary_dim:
         angles = torch.rand(seqlen_cache, rotary_dim // 2, generator=gen, dtype=torch.float64) * 6
         cos, sin = (f(angles).float().to(DEVICE) for f in (torch.cos, torch.sin))
     out, lse, new_k_cache, new_v_cache = run_kvcache(
-        front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch_idx,
+        front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch_idx, pads,
         rotary_interleaved=interleaved, **dict(options))
     cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
     ref_options = {n: cpu(x) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
     args = (cpu(q), cpu(k_cache), cpu(v_cache), cpu(k), cpu(v), angles, cache_seqlens.cpu(),
-            cpu(batch_idx), interleaved)
+            cpu(batch_idx), cpu(pads), interleaved)
     t_out, t_lse, t_k, t_v = reference(*args, torch.float64, **ref_options)
     f_out, f_lse, _, _ = reference(*args, q.dtype, **ref_options)
     assert_close_to_reference("out", out, t_out, f_out, dtype)
@@ -125,7 +128,8 @@ def test_kvcache_append_and_rotary(front, rotary, causal):
                   (16 if rotary == "partial" else 32), interleaved=rotary != "neox")
 
 
-@pytest.mark.parametrize("case", ["read_only", "batch_idx", "window_softcap_alibi", "mqa_decode"])
+@pytest.mark.parametrize("case", ["read_only", "batch_idx", "window_softcap_alibi", "mqa_decode",
+                                  "leftpad", "leftpad_batch_idx_alibi"])
 def test_kvcache_options(front, case):
     if case == "read_only":  # no new rows: attention over the filled rows only
         check_kvcache(front, seqlen_new=0, seqlens=(40, 1, 17), causal=True, dtype="float16")
@@ -134,9 +138,15 @@ def test_kvcache_options(front, case):
     elif case == "window_softcap_alibi":
         check_kvcache(front, window_size=(6, 0), softcap=5.0, rotary_dim=32,
                       alibi_slopes=torch.tensor([0.3, 0.1, 0.2, 0.05], device=DEVICE))
-    else:  # one query row, one new row, one K/V head
+    elif case == "mqa_decode":  # one query row, one new row, one K/V head
         check_kvcache(front, seqlen_q=1, seqlen_new=1, heads_q=8, heads_k=1, seqlens=(39, 0, 5),
                       rotary_dim=16, interleaved=False, causal=True, dtype="float32")
+    elif case == "leftpad":  # keys from row cache_leftpad[b]; rotary positions stay absolute
+        check_kvcache(front, leftpad=(0, 9, 30), rotary_dim=32, causal=True)
+    else:
+        check_kvcache(front, batch_cache=5, leftpad=(0, 13, 2), seqlen_new=0,
+                      seqlens=(17, 13, 40), alibi_slopes=torch.tensor([0.3, 0.1, 0.2, 0.05],
+                                                                      device=DEVICE))
 
 
 def test_kvcache_same_bits_in_both_front_ends():
@@ -190,6 +200,7 @@ def test_kvcache_jitted_with_donated_caches_and_traced_lengths():
      r"rotary_cos/rotary_sin have 10 positions; cache_seqlens\[2\] = 8 needs 12"),
     (dict(no_v=True), ValueError, r"pass both or neither"),
     (dict(block_table=True), NotImplementedError, r"block_table"),
+    (dict(leftpad=[0, 2, 1]), ValueError, r"cache_leftpad\[1\] = 2 must be in \[0, cache_seqlens\[1\] = 1\]"),
 ])
 def test_kvcache_bad_input(front, change, error, match):
     q = torch.randn(3, 4, 4, 32, device=DEVICE)
@@ -201,6 +212,8 @@ def test_kvcache_bad_input(front, change, error, match):
                else torch.tensor(seqlens, dtype=torch.int32))
     cos = sin = torch.rand(change.get("rotary_rows", 40), 8, device=DEVICE)
     options = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, causal=True)
+    if "leftpad" in change:
+        options["cache_leftpad"] = torch.tensor(change["leftpad"], dtype=torch.int32)
     if change.get("block_table"):
         options["block_table"] = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(error, match=match):

@@ -534,18 +534,15 @@ class KVCacheCall:
 
 
 def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size=(-1, -1),
-                  num_splits=0, return_softmax_lse=False, block_table=False,
-                  cache_leftpad=False) -> KVCacheCall:
+                  num_splits=0, return_softmax_lse=False, block_table=False) -> KVCacheCall:
     """Validate what the KV-cache call adds to attention (the attention itself is checked
     by ``check_problem``). ``arrays``: (shape, dtype name) by name of the arrays given
-    (q, k_cache, v_cache; k, v, cache_seqlens, cache_batch_idx, rotary_cos, rotary_sin
-    when given); ``cache_seqlens`` is the value when it is not an array (None or an int).
-    ``block_table``, ``cache_leftpad``: whether they were given (not supported yet).
+    (q, k_cache, v_cache; k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos,
+    rotary_sin when given); ``cache_seqlens`` is the value when it is not an array (None or
+    an int). ``block_table``: whether it was given (paged caches: not supported yet).
     """
-    for name, given in (("block_table (paged KV cache)", block_table),
-                        ("cache_leftpad", cache_leftpad)):
-        if given:
-            raise NotImplementedError(f"{name} is not supported yet")
+    if block_table:
+        raise NotImplementedError("block_table (paged KV cache) is not supported yet")
     def shape(name):
         return tuple(arrays[name][0]) if name in arrays else None
 
@@ -595,13 +592,14 @@ def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size
                         f"{type(cache_seqlens).__name__}")
     elif cache_seqlens is None and seqlen_new:
         raise ValueError("appending k and v needs cache_seqlens (where the new rows go)")
-    if "cache_batch_idx" in arrays:
-        if dtype("cache_batch_idx") != "int32":
-            raise TypeError(f"cache_batch_idx must be int32; got {dtype('cache_batch_idx')}")
-        if shape("cache_batch_idx") != (batch,):
-            raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got "
-                             f"{shape('cache_batch_idx')}")
-    elif k_cache_shape[0] != batch:
+    for name in ("cache_batch_idx", "cache_leftpad"):
+        if name not in arrays:
+            continue
+        if dtype(name) != "int32":
+            raise TypeError(f"{name} must be int32; got {dtype(name)}")
+        if shape(name) != (batch,):
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {shape(name)}")
+    if "cache_batch_idx" not in arrays and k_cache_shape[0] != batch:
         raise ValueError(f"k_cache must hold one entry per batch entry ({batch}) without "
                          f"cache_batch_idx; got k_cache {k_cache_shape}")
     rotary_dim = seqlen_ro = 0
@@ -637,6 +635,16 @@ def check_cache_seqlens(values, call: KVCacheCall) -> None:
         if call.rotary_dim and used + call.rotary_positions > call.seqlen_ro:
             raise ValueError(f"rotary_cos/rotary_sin have {call.seqlen_ro} positions; "
                              f"cache_seqlens[{b}] = {used} needs {used + call.rotary_positions}")
+
+
+def check_cache_leftpad(values, cache_seqlens) -> None:
+    """Host values of cache_leftpad: entry b's first used row, at most its filled rows
+    (``cache_seqlens``: their values, or None where they are not on the host)."""
+    for b, pad in enumerate(values):
+        filled = None if cache_seqlens is None else cache_seqlens[b]
+        if pad < 0 or (filled is not None and pad > filled):
+            raise ValueError(f"cache_leftpad[{b}] = {pad} must be in [0, cache_seqlens[{b}]"
+                             f"{'' if filled is None else f' = {filled}'}]")
 
 
 def check_cache_batch_idx(values, batch_cache: int) -> None:
