@@ -89,18 +89,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     if call.rotary_dim:
         rows_q = jnp.arange(q.shape[1]) if call.rotate_q_per_row else jnp.zeros((1,), jnp.int32)
         q = rotary(q, rotary_cos, rotary_sin, start[:, None] + rows_q, rotary_interleaved)
-    used = start + call.seqlen_new
-    if cache_leftpad is not None:
-        # Entry b's keys start at row cache_leftpad[b]: its rows from there are gathered to
-        # the front (a copy), so the kernels' row 0, the diagonal and ALiBi start there.
+    keys, values, used = k_cache, v_cache, start + call.seqlen_new
+    if cache_leftpad is not None:  # the rows from cache_leftpad[b] on, gathered to the front
         pad = jnp.minimum(jnp.maximum(jnp.asarray(cache_leftpad), 0), start)
         index = jnp.minimum(pad[:, None] + jnp.arange(call.seqlen_cache), call.seqlen_cache - 1)
-        keys, values = k_cache[rows[:, None], index], v_cache[rows[:, None], index]
+        keys, values = (cache[rows[:, None], index] for cache in (k_cache, v_cache))
         used = used - pad
     elif cache_batch_idx is not None:
-        keys, values = k_cache[rows], v_cache[rows]
-    else:
-        keys, values = k_cache, v_cache
+        keys, values = (cache[rows] for cache in (k_cache, v_cache))
     out, lse = attention(q, keys, values, causal=causal, softmax_scale=softmax_scale,
                          alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                          return_lse=True, seqused_k=used.astype(jnp.int32))
