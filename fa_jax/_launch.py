@@ -212,7 +212,9 @@ def _triton_call(launch, shapes, inputs):
     # jax_triton passes a Python float as fp64: the kernels take fp32.
     scalars = [np.float32(s) if isinstance(s, float) else s
                for s in registry.scalar_arguments(launch)]
-    blocks = fa_plan.block_arguments(launch, inputs, release.module.TensorDescriptor)
+    # (0.3.1 has no TensorDescriptor; its launches never ask for one: checked above.)
+    blocks = fa_plan.block_arguments(launch, inputs,
+                                     getattr(release.module, "TensorDescriptor", None))
     # 0.3.1 takes no compiler options; its Triton (3.6) writes PTX that CUDA 12.8 accepts.
     major, minor = capability()
     options = ({"backend_options": {"ptx_version": xla_ptx_version(major * 10 + minor)}}
