@@ -56,7 +56,7 @@ def main():
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     scale = 64 ** -0.5
     # (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, options)
-    op_args = (q, k, v, None, None, None, None, None, None, 0, 0, False, scale, -1, -1, 0.0, 0.0)
+    op_args = ops.forward_arguments(q=q, k=k, v=v, softmax_scale=scale)
     problem = ops.problem_of(q, k, v)
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride())

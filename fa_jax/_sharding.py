@@ -37,6 +37,10 @@ def _qkv_roles(name: str, varlen: bool):
 
 def roles(name: str, shape, problem) -> tuple:
     """The role of each dimension of one operand or result (None: replicated)."""
+    if problem.paged and name in ("k", "v"):  # the page pool: heads may be sharded
+        return (None, None, "k", "d")
+    if name == "block_table" and problem.paged and not problem.varlen:
+        return ("b", None)
     fixed = _qkv_roles(name, problem.varlen)
     if fixed is not None:
         return fixed

@@ -46,10 +46,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     ``(out, k_cache, v_cache)``, or ``(out, softmax_lse, k_cache, v_cache)`` with
     ``return_softmax_lse``; the caches hold the new rows. Same shapes and options as
     there (``cache_seqlens`` an int or a (batch,) int32 array, possibly traced: traced
-    values are clamped so the new rows land inside the cache). ``block_table`` is not
-    supported yet."""
+    values are clamped so the new rows land inside the cache). ``block_table`` ``(batch,
+    pages_per_entry)`` int32: the caches are a page pool ``(num_pages, page_size, heads_k,
+    head_dim)``, any page size (traced page numbers are clamped into the pool)."""
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
-                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                 block_table=block_table)
     seqlens_given = hasattr(cache_seqlens, "shape")
     if seqlens_given:
         named["cache_seqlens"] = cache_seqlens
@@ -60,8 +62,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         {n: (tuple(x.shape), jnp.dtype(x.dtype).name) for n, x in named.items()
          if x is not None},
         cache_seqlens=None if seqlens_given else cache_seqlens, causal=causal,
-        window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse,
-        block_table=block_table is not None)
+        window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse)
     if seqlens_given:
         seqlens = jnp.asarray(cache_seqlens)
         if _concrete(cache_seqlens):  # checked (traced: clamped below)
@@ -69,6 +70,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     else:
         filled = call.seqlen_cache if call.cache_seqlens is None else call.cache_seqlens
         seqlens = jnp.full((call.batch,), filled, jnp.int32)
+    if _concrete(block_table):
+        fa_plan.check_block_table(np.asarray(block_table).tolist(), k_cache.shape[0])
     if _concrete(cache_batch_idx):
         fa_plan.check_cache_batch_idx(np.asarray(cache_batch_idx).tolist(), k_cache.shape[0])
     if _concrete(cache_leftpad):
@@ -83,8 +86,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         k = jnp.asarray(k)
         if call.rotary_dim:
             k = rotary(k, rotary_cos, rotary_sin, where, rotary_interleaved)
-        k_cache = k_cache.at[rows[:, None], where].set(k)
-        v_cache = v_cache.at[rows[:, None], where].set(jnp.asarray(v))
+        entries, where_in = rows[:, None], where
+        if block_table is not None:  # row t: row t % page_size of page block_table[b, t // page_size]
+            page_size = k_cache.shape[1]
+            pages = jnp.take_along_axis(jnp.asarray(block_table), where // page_size, axis=1)
+            entries, where_in = jnp.clip(pages, 0, k_cache.shape[0] - 1), where % page_size
+        k_cache = k_cache.at[entries, where_in].set(k)
+        v_cache = v_cache.at[entries, where_in].set(jnp.asarray(v))
     q = jnp.asarray(q)
     if call.rotary_dim:
         rows_q = jnp.arange(q.shape[1]) if call.rotate_q_per_row else jnp.zeros((1,), jnp.int32)
@@ -99,5 +107,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
         keys, values = (cache[rows] for cache in (k_cache, v_cache))
     out, lse = attention(q, keys, values, causal=causal, softmax_scale=softmax_scale,
                          alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
-                         return_lse=True, seqused_k=used.astype(jnp.int32))
+                         return_lse=True, seqused_k=used.astype(jnp.int32),
+                         block_table=None if block_table is None else jnp.asarray(block_table))
     return (out, lse, k_cache, v_cache) if call.return_lse else (out, k_cache, v_cache)

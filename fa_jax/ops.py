@@ -42,9 +42,11 @@ def _check_arrays(named: dict) -> None:
 def validate(arrays: dict, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
              dropout_p=0.0, max_seqlen_q=0, max_seqlen_k=0) -> fa_plan.AttentionProblem:
     """The one validation of a call: the problem every later step derives from. Arrays
-    by name (q, k, v, and bias, slopes, cu_seqlens_q/k, seqused_k when given)."""
+    by name (q, k, v, and bias, slopes, cu_seqlens_q/k, seqused_k, block_table when
+    given)."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     bias, slopes, used = arrays.get("bias"), arrays.get("slopes"), arrays.get("seqused_k")
+    table = arrays.get("block_table")
     varlen = None
     if arrays.get("cu_seqlens_q") is not None:
         cu_q, cu_k = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
@@ -59,7 +61,9 @@ def validate(arrays: dict, *, causal, softmax_scale, window_size=(-1, -1), softc
         alibi_shape=None if slopes is None else slopes.shape,
         alibi_dtype=None if slopes is None else _dtype_name(slopes), varlen=varlen,
         seqused_k_shape=None if used is None else used.shape,
-        seqused_k_dtype=None if used is None else _dtype_name(used))
+        seqused_k_dtype=None if used is None else _dtype_name(used),
+        block_table_shape=None if table is None else table.shape,
+        block_table_dtype=None if table is None else _dtype_name(table))
 
 
 def _at(problem: fa_plan.AttentionProblem, arrays: dict) -> fa_plan.AttentionProblem:
@@ -80,12 +84,12 @@ def _batch_rule(fn, kinds, problem: fa_plan.AttentionProblem):
     * "batchable": bias (4-D) or ALiBi slopes: folded by broadcasting their batch
       axis to the problem's batch first (kept as is when unmapped and unbatched).
     * "fixed": seed, cu_seqlens, placeholders (and seqused_k with varlen inputs): must
-      be the same for every mapped
-      element, else (and for varlen) the map runs sequentially.
+      be the same for every mapped element, else (and for varlen inputs and paged K/V,
+      whose block table numbers pages of one pool) the map runs sequentially.
     """
 
     def rule(axis_size, in_batched, *args):
-        sequential = problem.varlen or any(
+        sequential = problem.varlen or problem.paged or any(
             b and kind == "fixed" for b, kind in zip(in_batched, kinds))
         if sequential:
             def one(mapped):
@@ -298,26 +302,28 @@ def dropout_seed_array(dropout_seed):
 
 def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
           softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-          return_lse, deterministic, seqused_k=None):
+          return_lse, deterministic, seqused_k=None, block_table=None):
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     return_lse = fa_plan.check_bool("return_lse", return_lse)
     given = dict(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                 cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+                 cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table)
     named = {name: x for name, x in given.items() if x is not None}
     _check_arrays(named)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")
     varlen = cu_seqlens_q is not None
     arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes,
-              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k}
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k,
+              "block_table": block_table}
     problem = validate(arrays, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     # Concrete index arrays are checked; traced ones are trusted (the kernels clamp them).
     key_counts = [problem.seqlen_k] * problem.batch
     if varlen:
-        for name, total, longest in (("cu_seqlens_q", problem.total_q, problem.seqlen_q),
-                                     ("cu_seqlens_k", problem.total_k, problem.seqlen_k)):
+        for name, total, longest in (
+                ("cu_seqlens_q", problem.total_q, problem.seqlen_q),
+                ("cu_seqlens_k", None if problem.paged else problem.total_k, problem.seqlen_k)):
             values = arrays[name]
             if not isinstance(values, jax.core.Tracer):
                 fa_plan.check_cu_seqlens(name, np.asarray(values).tolist(), total, longest)
@@ -326,13 +332,16 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
     if seqused_k is not None and key_counts is not None and not isinstance(
             seqused_k, jax.core.Tracer):
         fa_plan.check_seqused_k(np.asarray(seqused_k).tolist(), key_counts)
+    if block_table is not None and not isinstance(block_table, jax.core.Tracer):
+        fa_plan.check_block_table(np.asarray(block_table).tolist(), problem.num_pages)
     check_dropout_seed(dropout_seed)  # checked with dropout off too
     seed = dropout_seed_array(dropout_seed) if problem.dropout_p > 0 else None
     if bias is not None:
         bias = jnp.asarray(bias)
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     args = [jnp.asarray(x) if x is not None else _launch.placeholder()
-            for x in (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k)]
+            for x in (q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                      block_table)]
     out, lse = _differentiable(problem)(*args)
     return (out, lse) if return_lse else out
 
@@ -340,7 +349,8 @@ def _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ca
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               bias=None, alibi_slopes=None, window_size: tuple[int, int] = (-1, -1),
               softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
-              return_lse: bool = False, deterministic: bool = False, seqused_k=None):
+              return_lse: bool = False, deterministic: bool = False, seqused_k=None,
+              block_table=None):
     """Softmax attention with the FlashAttention-2 kernels; same API as fa_torch.attention.
 
     q ``(batch, seqlen_q, heads_q, head_dim)``, k and v ``(batch, seqlen_k, heads_k,
@@ -356,11 +366,15 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     k and v held those alone (the causal/window alignment and ALiBi use that count); the
     other key rows are never read and get a zero gradient. Concrete values are checked
     to lie in [0, seqlen_k]; traced ones are clamped into it by the kernels.
+    ``block_table`` ``(batch, pages_per_entry)`` int32: a paged K/V cache (forward only),
+    k and v a pool ``(num_pages, page_size, heads_k, head_dim)`` of pages of any size;
+    entry b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
+    Concrete page numbers are checked; traced ones are clamped into the pool.
     """
     return _call(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                  bias=bias, alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                  dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
-                 deterministic=deterministic, seqused_k=seqused_k)
+                 deterministic=deterministic, seqused_k=seqused_k, block_table=block_table)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -368,17 +382,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      alibi_slopes=None, window_size: tuple[int, int] = (-1, -1),
                      softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
                      return_lse: bool = False, deterministic: bool = False, bias=None,
-                     seqused_k=None):
+                     seqused_k=None, block_table=None):
     """Attention over packed sequences: q ``(total_q, heads_q, head_dim)``, k and v
     ``(total_k, heads_k, head_dim)``, int32 ``cu_seqlens`` of shape (batch + 1,).
     ``max_seqlen_*`` are static Python ints that bound the lengths. Concrete cu_seqlens
     are checked; traced ones are trusted. lse is ``(heads_q, total_q)``. ``seqused_k``
-    ``(batch,)`` int32: sequence b uses only its first ``seqused_k[b]`` keys."""
+    ``(batch,)`` int32: sequence b uses only its first ``seqused_k[b]`` keys.
+    ``block_table``: k and v are a paged pool, as in ``attention``; cu_seqlens_k then give
+    the key counts only."""
     return _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                  softmax_scale=softmax_scale, bias=bias, alibi_slopes=alibi_slopes,
                  window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                  dropout_seed=dropout_seed, return_lse=return_lse, deterministic=deterministic,
-                 seqused_k=seqused_k)
+                 seqused_k=seqused_k, block_table=block_table)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

@@ -28,7 +28,7 @@ def _unpack(name: str, packed, rank: int, axis: int, parts: int, layout: str):
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
          softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-         seqused_k=None):
+         seqused_k=None, block_table=None):
     dropout_p = fa_plan.check_dropout_p(dropout_p)
     return_attn_probs = fa_plan.check_bool("return_attn_probs", return_attn_probs)
     seed = None
@@ -40,7 +40,7 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropou
                           causal=causal, softmax_scale=softmax_scale, bias=None,
                           alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                           dropout_p=dropout_p, dropout_seed=seed, return_lse=True,
-                          seqused_k=seqused_k)
+                          seqused_k=seqused_k, block_table=block_table)
     if not return_attn_probs:
         return out
     mask = None
@@ -82,12 +82,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs=False, block_table=None, seqused_k=None):
     """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim), int32 cu_seqlens.
     ``seqused_k`` (batch,) int32 (as flash-attn 3's): sequence b uses only its first
-    ``seqused_k[b]`` keys."""
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not supported")
+    ``seqused_k[b]`` keys. ``block_table`` (batch, max_num_blocks_per_seq) int32: k and v
+    are a paged cache (num_blocks, page_block_size, nheads_k, headdim), any page size,
+    forward only; cu_seqlens_k give each sequence's key count."""
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                seqused_k)
+                seqused_k, block_table)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

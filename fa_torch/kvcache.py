@@ -49,12 +49,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     their positions and q at ``cache_seqlens + i`` (causal or a window) or at
     ``cache_seqlens`` (otherwise). Causal and windows align bottom-right to the filled
     rows. ``cache_leftpad`` (batch,) int32: entry b's keys start at that row (positions
-    stay absolute for rotary). ``num_splits`` is accepted; the plan chooses the key
-    splits. ``block_table`` (paged caches) is not supported yet.
+    stay absolute for rotary). ``block_table`` ``(batch, max_num_blocks_per_seq)`` int32:
+    k_cache and v_cache are a page pool ``(num_blocks, page_block_size, heads_k,
+    head_dim)``, any page size; row t of entry b is row ``t % page_block_size`` of page
+    ``block_table[b, t // page_block_size]`` (not with cache_batch_idx or cache_leftpad,
+    as in flash-attn). ``num_splits`` is accepted; the plan chooses the key splits.
     Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse``.
     """
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
-                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                 cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                 block_table=block_table)
     seqlens_given = isinstance(cache_seqlens, torch.Tensor)
     if seqlens_given:
         named["cache_seqlens"] = cache_seqlens
@@ -64,8 +68,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     call = fa_plan.check_kvcache(
         {n: (tuple(x.shape), dtype_name(x.dtype)) for n, x in named.items() if x is not None},
         cache_seqlens=None if seqlens_given else cache_seqlens, causal=causal,
-        window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse,
-        block_table=block_table is not None)
+        window_size=window_size, num_splits=num_splits, return_softmax_lse=return_softmax_lse)
     device = q.device
     if seqlens_given:
         seqlens = cache_seqlens.to(device)
@@ -74,42 +77,61 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         filled = call.seqlen_cache if call.cache_seqlens is None else call.cache_seqlens
         seqlens = torch.full((call.batch,), filled, dtype=torch.int32, device=device)
+    if block_table is not None and not block_table.is_cuda:
+        fa_plan.check_block_table(block_table.tolist(), k_cache.shape[0])
     if cache_batch_idx is not None and not cache_batch_idx.is_cuda:
         fa_plan.check_cache_batch_idx(cache_batch_idx.tolist(), k_cache.shape[0])
     if cache_leftpad is not None and not cache_leftpad.is_cuda:
-        fa_plan.check_cache_leftpad(cache_leftpad.tolist(), None if seqlens.is_cuda
-                                    else seqlens.tolist())
-    # Device values are clamped: the new rows always land inside the cache.
-    start = seqlens.clamp(0, call.seqlen_cache - call.seqlen_new)
-    rows = (torch.arange(call.batch, device=device) if cache_batch_idx is None
-            else cache_batch_idx.to(device).long().clamp(0, k_cache.shape[0] - 1))
+        host_seqlens = None  # the lengths where the host has them
+        if not seqlens_given:
+            host_seqlens = seqlens.tolist() if call.cache_seqlens is None else [
+                call.cache_seqlens] * call.batch
+        elif not cache_seqlens.is_cuda:
+            host_seqlens = cache_seqlens.tolist()
+        fa_plan.check_cache_leftpad(cache_leftpad.tolist(), host_seqlens)
+    # Device values are clamped: the new rows always land inside the cache. (Read-only
+    # decode skips it: the kernels clamp seqused_k, and a decode step is short.)
+    plain = not (call.seqlen_new or call.rotary_dim or cache_leftpad is not None)
+    start = seqlens if plain else seqlens.clamp(0, call.seqlen_cache - call.seqlen_new)
+    rows = None  # (batch, 1): each entry's cache row, where needed
+    if cache_batch_idx is not None:
+        rows = cache_batch_idx.to(device).long().clamp(0, k_cache.shape[0] - 1)[:, None]
+    elif not plain:
+        rows = torch.arange(call.batch, device=device)[:, None]
     if call.seqlen_new:
         offsets = torch.arange(call.seqlen_new, device=device)
         where = start[:, None].long() + offsets
         if call.rotary_dim:
             k = rotary(k, rotary_cos, rotary_sin, where, rotary_interleaved)
+        if block_table is None:
+            entries, where_in = rows, where
+        else:  # row t of entry b: row t % page_size of page block_table[b, t // page_size]
+            page_size = k_cache.shape[1]
+            entries = block_table.to(device).long().gather(1, where // page_size)
+            entries, where_in = entries.clamp(0, k_cache.shape[0] - 1), where % page_size
         with torch.no_grad():
-            k_cache[rows[:, None], where] = k
-            v_cache[rows[:, None], where] = v
+            k_cache[entries, where_in] = k
+            v_cache[entries, where_in] = v
     if call.rotary_dim:
         rows_q = torch.arange(q.shape[1], device=device) if call.rotate_q_per_row else 0
         q = rotary(q, rotary_cos, rotary_sin, start[:, None].long() + rows_q, rotary_interleaved)
-    used = start + call.seqlen_new
+    used = start + call.seqlen_new if call.seqlen_new else start
     if cache_leftpad is not None:
         # Entry b's keys start at row cache_leftpad[b]: its rows from there are gathered to
         # the front (a copy), so the kernels' row 0, the diagonal and ALiBi start there.
         pad = torch.minimum(cache_leftpad.to(device).clamp(min=0), start)
         index = (pad[:, None].long() + torch.arange(call.seqlen_cache, device=device)).clamp(
             max=call.seqlen_cache - 1)
-        keys, values = k_cache[rows[:, None], index], v_cache[rows[:, None], index]
+        keys, values = k_cache[rows, index], v_cache[rows, index]
         used = used - pad
     elif cache_batch_idx is not None:
-        keys, values = k_cache[rows], v_cache[rows]
+        keys, values = k_cache[rows[:, 0]], v_cache[rows[:, 0]]
     else:
         keys, values = k_cache, v_cache
     used = used.to(torch.int32)
     out, lse = _attention(q, keys, values, None, None, 0, 0, causal=causal,
                           softmax_scale=softmax_scale, bias=None, alibi_slopes=alibi_slopes,
                           window_size=window_size, softcap=softcap, dropout_p=0.0,
-                          dropout_seed=None, return_lse=True, seqused_k=used)
+                          dropout_seed=None, return_lse=True, seqused_k=used,
+                          block_table=None if block_table is None else block_table.to(device))
     return (out, lse) if call.return_lse else out

@@ -57,10 +57,10 @@ def _unit_last_stride(x: Optional[Tensor]) -> Optional[Tensor]:
 def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
                seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, causal=False,
                softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-               dropout_p=0.0) -> fa_plan.AttentionProblem:
+               dropout_p=0.0, block_table=None) -> fa_plan.AttentionProblem:
     """Validate torch inputs and options (raises before any launch)."""
     given = dict(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                 cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+                 cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table)
     named = {name: x for name, x in given.items() if x is not None}
     _check_tensors(named)
     name = _launch.dtype_name
@@ -81,7 +81,9 @@ def problem_of(q, k, v, bias=None, alibi_slopes=None, cu_seqlens_q=None, cu_seql
                    alibi_shape=None if alibi_slopes is None else tuple(alibi_slopes.shape),
                    alibi_dtype=None if alibi_slopes is None else name(alibi_slopes.dtype),
                    seqused_k_shape=None if seqused_k is None else tuple(seqused_k.shape),
-                   seqused_k_dtype=None if seqused_k is None else name(seqused_k.dtype))
+                   seqused_k_dtype=None if seqused_k is None else name(seqused_k.dtype),
+                   block_table_shape=None if block_table is None else tuple(block_table.shape),
+                   block_table_dtype=None if block_table is None else name(block_table.dtype))
     # (Under torch.compile the checks are traced once into the graph: no cache there.)
     if varlen is None and type(window_size) is tuple and not torch.compiler.is_compiling():
         types = tuple(map(type, (*options.values(), *window_size)))
@@ -112,29 +114,31 @@ def _bias_strides(bias: Optional[Tensor]):
 
 def _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                 max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
-                softcap, dropout_p) -> fa_plan.AttentionProblem:
+                softcap, dropout_p, block_table=None) -> fa_plan.AttentionProblem:
     """problem_of for the ops' flat arguments (the window as two ints)."""
     return problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                       max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                      (window_left, window_right), softcap, dropout_p)
+                      (window_left, window_right), softcap, dropout_p, block_table)
 
 
 def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
-                  softcap, dropout_p, problem=None):
+                  block_table, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+                  window_right, softcap, dropout_p, problem=None):
     """(out, lse, lse_lo): the forward launches (the body of the op below). ``problem``:
     the call's validated problem when the caller has it already (the eager path)."""
     q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
-    alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k = map(
-        _dense, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k))
+    alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = map(
+        _dense, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
     problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                      seqused_k, max_seqlen_q, max_seqlen_k, causal,
-                                     softmax_scale, window_left, window_right, softcap, dropout_p)
+                                     softmax_scale, window_left, window_right, softcap, dropout_p,
+                                     block_table)
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
                                bias_strides=_bias_strides(bias), num_sms=_launch.num_sms(q.device))
     arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes, "seed": seed,
-              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k}
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k,
+              "block_table": block_table}
     for launch in fwd.launches:
         _launch.run(launch, arrays, q.device)
     return arrays["out"], arrays["lse"], arrays["lse_lo"]
@@ -144,23 +148,25 @@ def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                      seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+                      max_seqlen_q: int, max_seqlen_k: int,
                       causal: bool, softmax_scale: float, window_left: int, window_right: int,
                       softcap: float, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, lse_lo); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen);
     lse_lo, shaped like lse, is what the backward needs of the LSE beyond lse (with a
     bias; kernels/fa_kernels/helpers.py: final_lse)."""
     return _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
-                         seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                         window_left, window_right, softcap, dropout_p)
+                         seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal,
+                         softmax_scale, window_left, window_right, softcap, dropout_p)
 
 
 @attention_forward.register_fake
-def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-      max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap, dropout_p):
+def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+      max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+      dropout_p):
     problem = _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                           max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-                          window_right, softcap, dropout_p)
+                          window_right, softcap, dropout_p, block_table)
     return (q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32),
             q.new_empty(problem.lse_shape, dtype=torch.float32))
 
@@ -224,17 +230,30 @@ def _(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed, cu_seqlen
 
 # The forward op's arguments: these tensors, then the options.
 _TENSOR_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "seed", "cu_seqlens_q", "cu_seqlens_k",
-                 "seqused_k")
+                 "seqused_k", "block_table")
 _OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left",
                  "window_right", "softcap", "dropout_p")
+_OPTION_DEFAULTS = dict(max_seqlen_q=0, max_seqlen_k=0, causal=False, window_left=-1,
+                        window_right=-1, softcap=0.0, dropout_p=0.0)
+
+
+def forward_arguments(**named) -> tuple:
+    """attention_forward's positional arguments from their names: a tensor not named is
+    None, an option its default (``softmax_scale`` has none: pass it)."""
+    unknown = set(named) - set(_TENSOR_NAMES) - set(_OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"attention_forward takes no argument {sorted(unknown)}")
+    return (tuple(named.get(n) for n in _TENSOR_NAMES)
+            + tuple(named[n] if n in named else _OPTION_DEFAULTS[n] for n in _OPTION_NAMES))
 
 
 def _setup_context(ctx, inputs, output):
     tensors = inputs[:len(_TENSOR_NAMES)]
-    q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k = tensors
+    q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = tensors
     out, lse, lse_lo = output
     ctx.save_for_backward(q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
                           cu_seqlens_k, seqused_k)
+    ctx.paged = block_table is not None
     ctx.mark_non_differentiable(lse_lo)
     ctx.options = inputs[len(_TENSOR_NAMES):]
     # An unused output's gradient stays None, not a zero tensor to allocate and fill
@@ -246,6 +265,9 @@ def _backward_with(backward):
     def _backward(ctx, dout, dlse, _dlse_lo):
         (q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
          cu_seqlens_k, seqused_k) = ctx.saved_tensors
+        if ctx.paged:
+            raise NotImplementedError("block_table (a paged K/V cache) is forward-only, as in "
+                                      "flash-attn: no gradient flows through it")
         if dout is None:
             dout = torch.zeros_like(out)
         bias_grad = bias is not None and ctx.needs_input_grad[3]
@@ -368,33 +390,37 @@ def _autocast(q, k, v):
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
                softmax_scale, bias, alibi_slopes, window_size, softcap, dropout_p, dropout_seed,
-               return_lse, deterministic=False, seqused_k=None):
+               return_lse, deterministic=False, seqused_k=None, block_table=None):
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     return_lse = fa_plan.check_bool("return_lse", return_lse)
     check_dropout_seed(dropout_seed)
     q, k, v = _autocast(q, k, v)
     problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                          max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
-                         dropout_p)
+                         dropout_p, block_table)
     # Index arrays on the CPU are checked; on the GPU they are trusted (and clamped by the
     # kernels): checking would need a device sync.
     key_counts = [problem.seqlen_k] * problem.batch
     if problem.varlen and not (cu_seqlens_q.is_cuda or cu_seqlens_k.is_cuda):
         fa_plan.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q.tolist(), problem.total_q,
                                  problem.seqlen_q)
-        fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(), problem.total_k,
-                                 problem.seqlen_k)
+        fa_plan.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k.tolist(),
+                                 None if problem.paged else problem.total_k, problem.seqlen_k)
         key_counts = torch.diff(cu_seqlens_k).tolist()
     if seqused_k is not None and not seqused_k.is_cuda and not (
             problem.varlen and cu_seqlens_k.is_cuda):
         fa_plan.check_seqused_k(seqused_k.tolist(), key_counts)
+    if block_table is not None and not block_table.is_cuda:
+        fa_plan.check_block_table(block_table.tolist(), problem.num_pages)
     seed = dropout_seed_tensor(dropout_seed, q.device) if problem.dropout_p > 0 else None
-    out, lse, _ = _call_forward(problem, q, k, v, bias, alibi_slopes, seed, cu_seqlens_q,
-                                cu_seqlens_k, seqused_k,
-                                problem.seqlen_q if problem.varlen else 0,
-                                problem.seqlen_k if problem.varlen else 0, problem.causal,
-                                problem.softmax_scale, problem.window_left, problem.window_right,
-                                problem.softcap, problem.dropout_p)
+    p = problem
+    out, lse, _ = _call_forward(p, *forward_arguments(
+        q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, seed=seed,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+        block_table=block_table, max_seqlen_q=p.seqlen_q if p.varlen else 0,
+        max_seqlen_k=p.seqlen_k if p.varlen else 0, causal=p.causal,
+        softmax_scale=p.softmax_scale, window_left=p.window_left,
+        window_right=p.window_right, softcap=p.softcap, dropout_p=p.dropout_p))
     return (out, lse) if return_lse else out
 
 
@@ -403,7 +429,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               alibi_slopes: Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
               softcap: float = 0.0, dropout_p: float = 0.0, dropout_seed=None,
               return_lse: bool = False, deterministic: bool = False,
-              seqused_k: Tensor | None = None):
+              seqused_k: Tensor | None = None, block_table: Tensor | None = None):
     """Softmax attention with the FlashAttention-2 kernels.
 
     Args:
@@ -431,13 +457,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             rows are never read and get a zero gradient (a KV cache's unfilled tail).
             Values on the CPU are checked to lie in [0, seqlen_k]; on the GPU the kernels
             clamp them into that range.
+        block_table: ``(batch, pages_per_entry)`` int32, a paged K/V cache (forward only):
+            k and v are then a pool ``(num_pages, page_size, heads_k, head_dim)`` of pages
+            of any size, and entry b's key j is row ``j % page_size`` of page
+            ``block_table[b, j // page_size]`` (``seqlen_k`` is ``pages_per_entry *
+            page_size``; pass ``seqused_k`` for the filled part). Page numbers on the CPU
+            are checked; on the GPU the kernels clamp them into the pool.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse``.
     """
     return _attention(q, k, v, None, None, 0, 0, causal=causal, softmax_scale=softmax_scale,
                       bias=bias, alibi_slopes=alibi_slopes, window_size=window_size,
                       softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                      return_lse=return_lse, deterministic=deterministic, seqused_k=seqused_k)
+                      return_lse=return_lse, deterministic=deterministic, seqused_k=seqused_k,
+                      block_table=block_table)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -446,7 +479,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      dropout_p: float = 0.0, dropout_seed=None, return_lse: bool = False,
                      deterministic: bool = False, bias: Tensor | None = None,
-                     seqused_k: Tensor | None = None):
+                     seqused_k: Tensor | None = None, block_table: Tensor | None = None):
     """Attention over packed variable-length sequences.
 
     q ``(total_q, heads_q, head_dim)``, k and v ``(total_k, heads_k, head_dim)``; sequence b
@@ -456,13 +489,15 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     cu_seqlens on the CPU are checked (start 0, non-decreasing, end = total); on the GPU
     they are trusted (checking would need a device sync). ``bias`` is not supported.
     ``seqused_k`` ``(batch,)`` int32: sequence b uses only its first ``seqused_k[b]`` keys
-    (as in ``attention``).
+    (as in ``attention``). ``block_table`` ``(batch, pages_per_entry)`` int32: k and v are a
+    paged pool ``(num_pages, page_size, heads_k, head_dim)`` (as in ``attention``);
+    ``cu_seqlens_k`` then give the key counts only (their end is not checked).
     """
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       causal=causal, softmax_scale=softmax_scale, bias=bias,
                       alibi_slopes=alibi_slopes, window_size=window_size, softcap=softcap,
                       dropout_p=dropout_p, dropout_seed=dropout_seed, return_lse=return_lse,
-                      deterministic=deterministic, seqused_k=seqused_k)
+                      deterministic=deterministic, seqused_k=seqused_k, block_table=block_table)
 
 
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

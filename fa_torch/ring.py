@@ -96,8 +96,8 @@ class _Ring:
 
 
 def _attend(q, k, v, causal, scale):
-    out, lse, _ = ops.attention_forward(q, k, v, None, None, None, None, None, None, 0, 0,
-                                        causal, scale, -1, -1, 0.0, 0.0)
+    out, lse, _ = ops.attention_forward(*ops.forward_arguments(q=q, k=k, v=v, causal=causal,
+                                                               softmax_scale=scale))
     return out.float(), lse
 
 

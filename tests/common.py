@@ -128,9 +128,11 @@ RUNNERS = {"torch": run_torch, "jax": run_jax}  # the `run` fixture (conftest.py
 
 def launch_arrays(q, k, v, **given):
     """The arrays a plan's launches read, by name: q, k, v, what is ``given``, and None
-    for the optional inputs not given (bias, slopes, seed, cu_seqlens_*, seqused_k)."""
+    for the optional inputs not given (bias, slopes, seed, cu_seqlens_*, seqused_k,
+    block_table)."""
     return {"q": q, "k": k, "v": v, "bias": None, "slopes": None, "seed": None,
-            "cu_seqlens_q": None, "cu_seqlens_k": None, "seqused_k": None, **given}
+            "cu_seqlens_q": None, "cu_seqlens_k": None, "seqused_k": None, "block_table": None,
+            **given}
 
 
 def forward_plan_torch(fwd, arrays):

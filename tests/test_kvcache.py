@@ -71,8 +71,7 @@ def run_kvcache(front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch
     import fa_jax
 
     arr = lambda x: None if x is None else to_numpy(x)  # noqa: E731
-    if "alibi_slopes" in options:
-        options["alibi_slopes"] = arr(options["alibi_slopes"])
+    options = {n: arr(x) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
     results = fa_jax.attention_with_kvcache(
         arr(q), arr(k_cache), arr(v_cache), arr(k), arr(v), rotary_cos=arr(cos),
         rotary_sin=arr(sin), cache_seqlens=arr(cache_seqlens), cache_batch_idx=arr(batch_idx),
@@ -80,10 +79,30 @@ def run_kvcache(front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch
     return tuple(from_numpy(x) for x in results)
 
 
+def paged(cache, page_size, gen, spare=3):
+    """A (batch, seqlen, H, D) cache as a pool of pages in random order, with ``spare``
+    pages of NaN that no entry owns: (pool, block_table)."""
+    batch, seqlen = cache.shape[:2]
+    per_entry = seqlen // page_size
+    num_pages = batch * per_entry + spare
+    table = torch.randperm(num_pages, generator=gen)[:batch * per_entry].reshape(batch, per_entry)
+    pool = torch.full((num_pages, page_size, *cache.shape[2:]), float("nan"), dtype=cache.dtype)
+    pool[table] = cache.cpu().reshape(batch, per_entry, page_size, *cache.shape[2:])
+    return pool.to(cache.device), table.to(torch.int32).to(cache.device)
+
+
+def unpaged(pool, table):
+    """The dense (batch, pages_per_entry * page_size, H, D) cache a pool holds."""
+    pages = pool.cpu()[table.cpu().long()]
+    return pages.reshape(table.shape[0], -1, *pool.shape[2:])
+
+
 def check_kvcache(front, *, batch=3, seqlen_q=4, seqlen_new=4, heads_q=4, heads_k=2,
                   head_dim=32, seqlen_cache=40, rotary_dim=0, interleaved=True,
                   batch_cache=None, dtype="bfloat16", seqlens=(0, 13, 36), leftpad=None, seed=0,
-                  **options):
+                  page_size=0, **options):
+    """The call against the reference; with ``page_size`` through a paged copy of the
+    caches (whose unowned pages hold NaN and must stay so)."""
     gen = torch.Generator().manual_seed(seed)
     make = lambda *s: torch.randn(*s, generator=gen).to(TORCH_DTYPES[dtype]).to(DEVICE)  # noqa: E731
     batch_cache = batch_cache or batch
@@ -101,9 +120,20 @@ def check_kvcache(front, *, batch=3, seqlen_q=4, seqlen_new=4, heads_q=4, heads_
     if rotary_dim:
         angles = torch.rand(seqlen_cache, rotary_dim // 2, generator=gen, dtype=torch.float64) * 6
         cos, sin = (f(angles).float().to(DEVICE) for f in (torch.cos, torch.sin))
-    out, lse, new_k_cache, new_v_cache = run_kvcache(
-        front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch_idx, pads,
-        rotary_interleaved=interleaved, **dict(options))
+    if page_size:
+        (k_pool, table), (v_pool, _) = (paged(c, page_size, torch.Generator().manual_seed(seed))
+                                        for c in (k_cache, v_cache))
+        out, lse, k_pool, v_pool = run_kvcache(
+            front, q, k_pool, v_pool, k, v, cos, sin, cache_seqlens, batch_idx, pads,
+            rotary_interleaved=interleaved, block_table=table, **dict(options))
+        owned = torch.zeros(k_pool.shape[0], dtype=torch.bool)
+        owned[table.cpu().long().flatten()] = True
+        assert k_pool.cpu()[~owned].isnan().all() and v_pool.cpu()[~owned].isnan().all()
+        new_k_cache, new_v_cache = unpaged(k_pool, table), unpaged(v_pool, table)
+    else:
+        out, lse, new_k_cache, new_v_cache = run_kvcache(
+            front, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, batch_idx, pads,
+            rotary_interleaved=interleaved, **dict(options))
     cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
     ref_options = {n: cpu(x) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
     args = (cpu(q), cpu(k_cache), cpu(v_cache), cpu(k), cpu(v), angles, cache_seqlens.cpu(),
@@ -199,7 +229,7 @@ def test_kvcache_jitted_with_donated_caches_and_traced_lengths():
     (dict(rotary_rows=10, cache_seqlens=[0, 1, 8]), ValueError,
      r"rotary_cos/rotary_sin have 10 positions; cache_seqlens\[2\] = 8 needs 12"),
     (dict(no_v=True), ValueError, r"pass both or neither"),
-    (dict(block_table=True), NotImplementedError, r"block_table"),
+    (dict(block_table=True), ValueError, r"cache_leftpad cannot be used with block_table"),
     (dict(leftpad=[0, 2, 1]), ValueError, r"cache_leftpad\[1\] = 2 must be in \[0, cache_seqlens\[1\] = 1\]"),
 ])
 def test_kvcache_bad_input(front, change, error, match):
@@ -216,6 +246,7 @@ def test_kvcache_bad_input(front, change, error, match):
         options["cache_leftpad"] = torch.tensor(change["leftpad"], dtype=torch.int32)
     if change.get("block_table"):
         options["block_table"] = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
+        options["cache_leftpad"] = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(error, match=match):
         if front == "torch":
             import fa_torch

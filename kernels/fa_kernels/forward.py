@@ -8,15 +8,16 @@ wholly visible to the block are visited without any mask work; only blocks that 
 causal diagonal is one) or the end of the keys are masked, and blocks wholly outside
 the window are not visited at all.
 
-Options are constexpr flags (softcap, bias, ALiBi, dropout, window, varlen): the plain
-path compiles to the loop above and nothing else.
+Options are constexpr flags (softcap, bias, ALiBi, dropout, window, varlen, paged K/V):
+the plain path compiles to the loop above and nothing else.
 """
 import triton
 import triton.language as tl
 
 from .helpers import (aligned, block_source, dropout_keep, final_lse, kernel, key_blocks,
-                      load_block, load_rows, load_seed, load_tile, scores, sequence_bounds, softmax_step,
-                      split_blocks, store_rows, store_tile, visible)
+                      load_block, load_paged_block, load_rows, load_seed, load_tile, paged_source,
+                      scores, sequence_bounds, softmax_step, split_blocks, store_rows, store_tile,
+                      visible)
 
 
 @triton.jit
@@ -28,11 +29,15 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
             LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
             HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
-            FOLD_SCALE: tl.constexpr):
+            FOLD_SCALE: tl.constexpr, PAGED_KV: tl.constexpr, WHOLE_PAGES: tl.constexpr):
     """Fold the key block starting at ``start_n`` into the running softmax."""
     cols = start_n + offs_n
-    k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   MASKED, USE_TMA, HOST_TMA)
+    if PAGED_KV:
+        k = load_paged_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM,
+                             BLOCK_D, MASKED, WHOLE_PAGES)
+    else:
+        k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
+                       MASKED, USE_TMA, HOST_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if FOLD_SCALE:  # plain scores, scale > 0: softmax_step applies it
         s = qk
@@ -47,15 +52,19 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
     if HAS_DROPOUT:  # l keeps the undropped sum: dropout acts on normalised probabilities
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
-    v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   MASKED, USE_TMA, HOST_TMA)
+    if PAGED_KV:
+        v = load_paged_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM,
+                             BLOCK_D, MASKED, WHOLE_PAGES)
+    else:
+        v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
+                       MASKED, USE_TMA, HOST_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
 @kernel
 def attention_forward(
-    Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, SequsedK, KBlocks, VBlocks,
+    Q, K, V, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, SequsedK, BlockTable, KBlocks, VBlocks,
     qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale, window_left, window_right,
     seqlen_q, seqlen_k, total_q, total_k,
     stride_qb, stride_qm, stride_qh,
@@ -65,6 +74,7 @@ def attention_forward(
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb,
+    page_size, num_pages, stride_tb,
     num_splits, stride_os, stride_ls,
     Out, LSE, LSELo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -74,7 +84,8 @@ def attention_forward(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STRIDES_ALIGNED: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT_KV: tl.constexpr, USE_TMA: tl.constexpr,
-    HOST_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    HOST_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, PAGED_KV: tl.constexpr,
+    WHOLE_PAGES: tl.constexpr,
 ):
     stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
     stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
@@ -152,10 +163,15 @@ def attention_forward(
     if SPLIT_KV:
         lo, full_lo, full_hi, hi = split_blocks(lo, full_lo, full_hi, hi, split, num_splits,
                                                 seqlen_k, BLOCK_N)
-    k_source = block_source(k_base, KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM,
-                            BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
-    v_source = block_source(v_base, VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM,
-                            BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
+    if PAGED_KV:  # K/V (num_pages, page_size, heads_k, head_dim): b's pages in its table row
+        table = BlockTable + batch64 * stride_tb
+        k_source = paged_source(K + head_k * stride_kh, table, page_size, num_pages, stride_kb)
+        v_source = paged_source(V + head_k * stride_vh, table, page_size, num_pages, stride_vb)
+    else:
+        k_source = block_source(k_base, KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM,
+                                BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
+        v_source = block_source(v_base, VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM,
+                                BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -163,7 +179,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, HOST_TMA, FOLD_SCALE)
+            USE_TMA, HOST_TMA, FOLD_SCALE, PAGED_KV, WHOLE_PAGES)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -171,7 +187,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, HOST_TMA, FOLD_SCALE)
+            USE_TMA, HOST_TMA, FOLD_SCALE, PAGED_KV, WHOLE_PAGES)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -179,7 +195,7 @@ def attention_forward(
             qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
             seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
             LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, HOST_TMA, FOLD_SCALE)
+            USE_TMA, HOST_TMA, FOLD_SCALE, PAGED_KV, WHOLE_PAGES)
 
     # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0; a NaN in
     # its inputs stays NaN in both.
@@ -215,11 +231,15 @@ def attention_forward_combine(
     stride_os, stride_ls,
     Out, LSE, LSELo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Merge split-KV partial results: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s
-    (two passes over the splits: their largest LSE, then the weighted sums). With a bias
-    each LSE_s is ``lse + lse_lo`` (helpers.final_lse), and so is the merged one.
+    """Merge split-KV partial results: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s.
+
+    One pass over the splits, ``SPLIT_CHUNK`` of them loaded at once (their loads are in
+    flight together: decode has tens of splits, and one at a time the merge waits on
+    memory that often), rescaling what it has summed whenever the largest LSE so far
+    grows: the online softmax again, over whole splits. With a bias each LSE_s is
+    ``lse + lse_lo`` (helpers.final_lse), and so is the merged one.
 
     The partial buffers have the layout of Out and LSE (fp32) with a leading split axis.
     """
@@ -229,41 +249,45 @@ def attention_forward_combine(
     q_start, _, seqlen_q, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, CuSeqlensK,
                                               seqlen_q, 0, total_q, 0, IS_VARLEN, False)
     batch64 = tl.cast(batch, tl.int64)
+    offs_s = tl.arange(0, SPLIT_CHUNK)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = start_m + offs_m
-    in_range = rows < seqlen_q
     lse_base = LSEPartial + batch64 * stride_lb + head * stride_lh + q_start
     lse_lo_base = LSELoPartial + batch64 * stride_lb + head * stride_lh + q_start
     o_base = (OutPartial + batch64 * stride_ob + head * stride_oh
               + (q_start + tl.cast(start_m, tl.int64)) * stride_om)
+    tile = offs_m[None, :, None] * stride_om + offs_d[None, None, :]
 
-    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
-        lse_max = tl.maximum(lse_max, lse_s)
-    seen = lse_max > float("-inf")  # else no split saw a key: output 0, LSE -inf
-    m_ref = tl.where(seen, lse_max, 0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the largest LSE_s so far
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(lse_base + s * stride_ls + rows, mask=in_range, other=float("-inf"))
+    for first in range(0, num_splits, SPLIT_CHUNK):
+        splits = first + offs_s
+        ok = (splits[:, None] < num_splits) & (rows[None, :] < seqlen_q)  # (chunk, rows)
+        lse_offsets = tl.cast(splits, tl.int64)[:, None] * stride_ls + rows[None, :]
+        lse_s = tl.load(lse_base + lse_offsets, mask=ok, other=float("-inf"))
+        parts = tl.load(o_base + tl.cast(splits, tl.int64)[:, None, None] * stride_os + tile,
+                        mask=ok[:, :, None] & (offs_d[None, None, :] < HEAD_DIM), other=0.0)
+        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split saw a key yet
+        alpha = tl.exp(m_i - m_ref)
         if HAS_BIAS:  # (an empty split's lse_lo is 0: final_lse)
-            lo_s = tl.load(lse_lo_base + s * stride_ls + rows, mask=in_range, other=0.0)
-            weight = tl.exp((lse_s - m_ref) + lo_s)
+            lo_s = tl.load(lse_lo_base + lse_offsets, mask=ok, other=0.0)
+            weights = tl.exp((lse_s - m_ref[None, :]) + lo_s)
         else:
-            weight = tl.exp(lse_s - m_ref)  # 0 for an empty split (LSE -inf)
-        part = load_tile(o_base + tl.cast(s, tl.int64) * stride_os, offs_m, offs_d, stride_om,
-                         seqlen_q - start_m, HEAD_DIM, BLOCK_D, True)
-        total += weight
-        acc += weight[:, None] * part
+            weights = tl.exp(lse_s - m_ref[None, :])  # 0 for an empty split (LSE -inf)
+        total = total * alpha + tl.sum(weights, 0)
+        acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * parts, 0)
+        m_i = m_new
+    seen = m_i > float("-inf")  # else no split saw a key: output 0, LSE -inf
     acc = acc / tl.where(seen, total, 1.0)[:, None]
-    lse, lse_lo = final_lse(m_ref, total, True)  # (the splits' LSEs are natural log)
+    lse, lse_lo = final_lse(tl.where(seen, m_i, 0.0), total, True)  # (natural log)
 
     out_base = (Out + batch64 * stride_ob + head * stride_oh
                 + (q_start + tl.cast(start_m, tl.int64)) * stride_om)
     store_tile(out_base, acc, offs_m, offs_d, stride_om, seqlen_q - start_m, HEAD_DIM, BLOCK_D)
     lse_rows = batch64 * stride_lb + head * stride_lh + q_start + rows
-    tl.store(LSE + lse_rows, lse, mask=in_range)
+    tl.store(LSE + lse_rows, lse, mask=rows < seqlen_q)
     if HAS_BIAS:
-        tl.store(LSELo + lse_rows, lse_lo, mask=in_range)
+        tl.store(LSELo + lse_rows, lse_lo, mask=rows < seqlen_q)

@@ -27,7 +27,7 @@ FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 # equal to 1): jax_triton marks no scalar, so a kernel specialised on them would differ
 # between the front ends. The strides' divisibility comes from ``aligned`` instead.
 UNSPECIALISED = ("seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
-                 "stride_lb", "stride_lh")
+                 "stride_lb", "stride_lh", "page_size", "num_pages", "stride_tb")
 
 
 def kernel(fn):
@@ -156,6 +156,38 @@ def load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM: 
         block = load_tile(source + tl.cast(start, tl.int64) * stride_row, offs_row, offs_d,
                           stride_row, num_rows - start, HEAD_DIM, BLOCK_D, CHECK_ROWS)
     return block
+
+
+@triton.jit
+def paged_source(base, table, page_size, num_pages, stride_page):
+    """Where a paged slab's blocks come from (``load_paged_block``): ``base`` at the
+    slab's head in page 0, and entry b's row of the block table."""
+    return base, table, page_size, num_pages, stride_page
+
+
+@triton.jit
+def load_paged_block(source, start, offs_row, offs_d, stride_row, num_rows,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                     WHOLE_PAGES: tl.constexpr):
+    """Rows ``start ...`` of a paged slab (``paged_source``): row j lives in row
+    ``j % page_size`` of page ``table[j // page_size]``. With ``WHOLE_PAGES`` (the page
+    size a multiple of the block's rows) a block lies in one page: one lookup, then a
+    plain tile; else a block may span pages of any size and each row is looked up. Page
+    numbers are clamped into the pool (a table on the device cannot be checked before
+    the launch); rows >= num_rows are not looked up and read as 0."""
+    base, table, page_size, num_pages, stride_page = source
+    if WHOLE_PAGES:  # (start < num_rows: a visited block starts inside the sequence)
+        page = tl.minimum(tl.maximum(tl.load(table + start // page_size), 0), num_pages - 1)
+        first = tl.cast(page, tl.int64) * stride_page + tl.cast(start % page_size,
+                                                                tl.int64) * stride_row
+        return load_tile(base + first, offs_row, offs_d, stride_row, num_rows - start,
+                         HEAD_DIM, BLOCK_D, CHECK_ROWS)
+    rows = start + offs_row
+    in_range = rows < num_rows
+    pages = tl.load(table + rows // page_size, mask=in_range, other=0)
+    pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1)
+    offsets = tl.cast(pages, tl.int64) * stride_page + tl.cast(rows % page_size, tl.int64) * stride_row
+    return load_rows(base, offsets, in_range, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit

@@ -48,6 +48,8 @@ def input_dtypes(problem: fa_plan.AttentionProblem, plans) -> dict:
         dtypes.update(cu_seqlens_q="int32", cu_seqlens_k="int32")
     if problem.seqused_k:
         dtypes["seqused_k"] = "int32"
+    if problem.paged:
+        dtypes["block_table"] = "int32"
     for launch in (launch for p in plans for launch in p.launches):
         dtypes.update((o.name, o.dtype) for o in launch.outputs)
     return dtypes
@@ -228,6 +230,12 @@ def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
                                  "bfloat16", "bfloat16", "bfloat16", causal=True,
                                  seqused_k_shape=(2,), seqused_k_dtype="int32"),
            dict(tma=capability >= (9, 0)))
+    yield ("bfloat16 D=128 paged decode packed split",
+           fa_plan.check_problem((4, 1, 32, 128), (64, 16, 8, 128), (64, 16, 8, 128),
+                                 "bfloat16", "bfloat16", "bfloat16", seqused_k_shape=(4,),
+                                 seqused_k_dtype="int32", block_table_shape=(4, 16),
+                                 block_table_dtype="int32"),
+           dict(num_splits=4))
     if capability < (9, 0):
         return
     # Short sequences take the tile shrunk to them and, at 1, Triton folds the length
@@ -255,11 +263,13 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     for name, problem, options in variants(quick, capability):
         fwd = fa_plan.forward_plan(problem, capability=capability,
                                    **{k: v for k, v in options.items() if k != "apart"})
-        bwd = fa_plan.backward_plan(problem, capability=capability,
-                                    bias_grad=problem.bias_shape is not None,
-                                    **{k: v for k, v in options.items() if k in ("tma", "apart")})
-        dtypes = input_dtypes(problem, (fwd, bwd))
-        for launch in (*fwd.launches, *bwd.launches):
+        plans = (fwd,)
+        if not problem.paged:  # (paged K/V: forward only)
+            plans += (fa_plan.backward_plan(
+                problem, capability=capability, bias_grad=problem.bias_shape is not None,
+                **{k: v for k, v in options.items() if k in ("tma", "apart")}),)
+        dtypes = input_dtypes(problem, plans)
+        for launch in (launch for plan in plans for launch in plan.launches):
             start = time.time()
             usage = None
             try:

@@ -36,10 +36,11 @@ from .configs import ITEMSIZE, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
+INT32_MAX = 2**31 - 1
 LOG2E = 1.4426950408889634
 # Every array argument of the attention kernels, in signature order.
 ATTENTION_INPUTS = ("q", "k", "v", "bias", "slopes", "seed", "cu_seqlens_q", "cu_seqlens_k",
-                    "seqused_k")
+                    "seqused_k", "block_table")
 BACKWARD_INPUTS = ("q", "k", "v", "dout", "lse", "lse_lo", "delta", "bias", "slopes", "seed",
                    "cu_seqlens_q", "cu_seqlens_k", "seqused_k")
 
@@ -153,6 +154,15 @@ class AttentionProblem:
     total_k: int = 0
     bias_dtype: str | None = None
     seqused_k: bool = False  # a (batch,) int32 count of the keys each entry uses
+    # Paged K/V (block_table): k and v are a pool (num_pages, page_size, heads_k, head_dim);
+    # entry b's key j is row j % page_size of page block_table[b, j // page_size].
+    page_size: int = 0       # 0: not paged
+    num_pages: int = 0
+    pages_per_entry: int = 0  # block_table's (batch, pages_per_entry)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
 
     @property
     def bias_item(self) -> int:
@@ -175,6 +185,8 @@ class AttentionProblem:
 
     @property
     def kv_shape(self) -> Shape:
+        if self.paged:
+            return (self.num_pages, self.page_size, self.heads_k, self.head_dim)
         if self.varlen:
             return (self.total_k, self.heads_k, self.head_dim)
         return (self.batch, self.seqlen_k, self.heads_k, self.head_dim)
@@ -273,7 +285,11 @@ def resized(problem: AttentionProblem, q_shape: Shape, kv_shape: Shape,
     """The validated ``problem`` on arrays with other batch or head counts: one shard of
     it, or a vmapped batch folded into it. Nothing is validated again: only what the
     arrays' shapes say changes (lengths, head dim, dtypes and options stay)."""
-    if problem.varlen:
+    if problem.paged:  # k, v: the page pool
+        changes = dict(heads_k=kv_shape[2], num_pages=kv_shape[0])
+        changes.update(dict(total_q=q_shape[0], heads_q=q_shape[1]) if problem.varlen
+                       else dict(batch=q_shape[0], heads_q=q_shape[2]))
+    elif problem.varlen:
         changes = dict(total_q=q_shape[0], total_k=kv_shape[0], heads_q=q_shape[1],
                        heads_k=kv_shape[1])
     else:
@@ -385,21 +401,32 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
                   bias_shape: Shape | None = None, bias_dtype: str | None = None,
                   alibi_shape: Shape | None = None, alibi_dtype: str | None = None,
                   varlen: dict | None = None, seqused_k_shape: Shape | None = None,
-                  seqused_k_dtype: str | None = None) -> AttentionProblem:
+                  seqused_k_dtype: str | None = None, block_table_shape: Shape | None = None,
+                  block_table_dtype: str | None = None) -> AttentionProblem:
     """Validate q, k, v and the options; raise ValueError/TypeError before any launch.
 
     ``varlen``, for packed inputs, holds ``cu_seqlens_q_shape``, ``cu_seqlens_k_shape``,
     their dtypes ``cu_seqlens_q_dtype``/``cu_seqlens_k_dtype`` and ``max_seqlen_q``,
     ``max_seqlen_k``. ``seqused_k_shape``/``seqused_k_dtype`` describe ``seqused_k``, the
     number of keys each batch entry uses (its first ones): (batch,) int32.
+    ``block_table_shape``/``block_table_dtype`` describe a paged K/V cache's block table,
+    (batch, pages_per_entry) int32; k and v are then the page pool (num_pages, page_size,
+    heads_k, head_dim), padded or varlen q alike (forward only).
     """
     q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    paged = block_table_shape is not None
     if varlen is None:
         _check_rank("q", q_shape, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    else:
+        _check_rank("q", q_shape, 3, "(total_q, heads_q, head_dim)")
+    if paged:
+        for name, shape in (("k", k_shape), ("v", v_shape)):
+            _check_rank(name, shape, 4, "(num_pages, page_size, heads_k, head_dim) with "
+                        "block_table")
+    elif varlen is None:
         _check_rank("k", k_shape, 4, "(batch, seqlen_k, heads_k, head_dim)")
         _check_rank("v", v_shape, 4, "(batch, seqlen_k, heads_k, head_dim)")
     else:
-        _check_rank("q", q_shape, 3, "(total_q, heads_q, head_dim)")
         _check_rank("k", k_shape, 3, "(total_k, heads_k, head_dim)")
         _check_rank("v", v_shape, 3, "(total_k, heads_k, head_dim)")
     dtype = check_dtypes(q_dtype, k_dtype, v_dtype)
@@ -410,17 +437,30 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
     if varlen is None:
         batch, seqlen_q = q_shape[:2]
         batch_k, seqlen_k = k_shape[:2]
-        if batch_k != batch:
+        if batch_k != batch and not paged:
             raise ValueError(
                 f"q and k must have the same batch size; got q {q_shape}, k {k_shape}")
         total_q = total_k = 0
     else:
         batch, seqlen_q, seqlen_k = _check_varlen(varlen)
         total_q, total_k = q_shape[0], k_shape[0]
-        for side, longest, total in (("q", seqlen_q, total_q), ("k", seqlen_k, total_k)):
+        sides = (("q", seqlen_q, total_q),) if paged else (("q", seqlen_q, total_q),
+                                                            ("k", seqlen_k, total_k))
+        for side, longest, total in sides:
             if longest > total:  # the grid grows with it: never past what the arrays hold
                 raise ValueError(f"max_seqlen_{side} ({longest}) is larger than the number of "
                                  f"packed tokens ({total}); pass at most {total}")
+    pages = (0, 0, 0)
+    if paged:
+        pages = _check_block_table(tuple(block_table_shape), block_table_dtype, batch, k_shape)
+        num_pages, page_size, pages_per_entry = pages
+        if varlen is None:
+            seqlen_k = pages_per_entry * page_size
+        elif seqlen_k > pages_per_entry * page_size:
+            raise ValueError(f"max_seqlen_k ({seqlen_k}) is more keys than block_table's "
+                             f"{pages_per_entry} pages of {page_size} rows address")
+        else:  # cu_seqlens_k give the lengths only: the table places the keys
+            total_k = INT32_MAX
     if head_dim_k != head_dim:
         raise ValueError(
             f"q and k must have the same head_dim (last dimension); got q {q_shape}, k {k_shape}")
@@ -451,7 +491,31 @@ def check_problem(q_shape: Shape, k_shape: Shape, v_shape: Shape,
                             window_left, window_right, softcap, dropout_p, bias_shape,
                             alibi_shape, varlen is not None, total_q, total_k,
                             bias_dtype if bias_shape is not None else None,
-                            seqused_k_shape is not None)
+                            seqused_k_shape is not None, pages[1], pages[0], pages[2])
+
+
+def _check_block_table(shape: Shape, dtype: str, batch: int, k_shape: Shape) -> tuple:
+    """(num_pages, page_size, pages_per_entry) of a paged cache: any page size."""
+    if dtype != "int32":
+        raise TypeError(f"block_table must be int32; got {dtype}")
+    if len(shape) != 2 or shape[0] != batch or shape[1] < 1:
+        raise ValueError(f"block_table must have shape (batch, pages_per_entry) = ({batch}, "
+                         f">= 1); got {shape}")
+    num_pages, page_size = k_shape[:2]
+    if num_pages < 1 or page_size < 1:
+        raise ValueError(f"k and v with block_table are a pool (num_pages, page_size, heads_k, "
+                         f"head_dim) of at least one page of one row; got k {k_shape}")
+    return num_pages, page_size, shape[1]
+
+
+def check_block_table(values, num_pages: int) -> None:
+    """Check block_table values where they are on the host: page numbers in the pool (the
+    kernels clamp those they cannot check)."""
+    for b, row in enumerate(values):
+        for i, page in enumerate(row):
+            if not 0 <= page < num_pages:
+                raise ValueError(f"block_table[{b}, {i}] = {page} is outside the pool of "
+                                 f"{num_pages} pages")
 
 
 def _check_seqused_k(shape: Shape, dtype: str, batch: int) -> None:
@@ -494,16 +558,17 @@ def _check_varlen(varlen: dict) -> tuple[int, int, int]:
     return shapes[0][0] - 1, maxes[0], maxes[1]
 
 
-def check_cu_seqlens(name: str, values, total: int, max_seqlen: int | None = None) -> None:
+def check_cu_seqlens(name: str, values, total: int | None,
+                     max_seqlen: int | None = None) -> None:
     """Check cu_seqlens values where they are on the host: start 0, non-decreasing, end
-    total, and no sequence longer than ``max_seqlen`` (the kernels would leave its tail
-    out)."""
+    ``total`` (None: anywhere, as cu_seqlens_k over a paged cache), and no sequence longer
+    than ``max_seqlen`` (the kernels would leave its tail out)."""
     values = [int(x) for x in values]
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0; got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name} must be non-decreasing; got {values}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens ({total}); got {values[-1]}")
     longest = max((b - a for a, b in zip(values, values[1:])), default=0)
     if max_seqlen is not None and longest > max_seqlen:
@@ -534,15 +599,15 @@ class KVCacheCall:
 
 
 def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size=(-1, -1),
-                  num_splits=0, return_softmax_lse=False, block_table=False) -> KVCacheCall:
+                  num_splits=0, return_softmax_lse=False) -> KVCacheCall:
     """Validate what the KV-cache call adds to attention (the attention itself is checked
     by ``check_problem``). ``arrays``: (shape, dtype name) by name of the arrays given
     (q, k_cache, v_cache; k, v, cache_seqlens, cache_batch_idx, cache_leftpad, rotary_cos,
-    rotary_sin when given); ``cache_seqlens`` is the value when it is not an array (None or
-    an int). ``block_table``: whether it was given (paged caches: not supported yet).
+    rotary_sin, block_table when given); ``cache_seqlens`` is the value when it is not an
+    array (None or an int). With ``block_table`` (batch, pages_per_entry) the caches are a
+    page pool (num_pages, page_size, heads_k, head_dim), any page size, and an entry holds
+    ``pages_per_entry * page_size`` rows.
     """
-    if block_table:
-        raise NotImplementedError("block_table (paged KV cache) is not supported yet")
     def shape(name):
         return tuple(arrays[name][0]) if name in arrays else None
 
@@ -555,12 +620,22 @@ def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size
                          f"{num_splits!r}")
     q_shape, k_cache_shape = shape("q"), shape("k_cache")
     _check_rank("q", q_shape, 4, "(batch, seqlen_q, heads_q, head_dim)")
-    _check_rank("k_cache", k_cache_shape, 4, "(batch_cache, seqlen_cache, heads_k, head_dim)")
+    paged = "block_table" in arrays
+    _check_rank("k_cache", k_cache_shape, 4, "(num_pages, page_size, heads_k, head_dim) with "
+                "block_table" if paged else "(batch_cache, seqlen_cache, heads_k, head_dim)")
     if shape("v_cache") != k_cache_shape:
         raise ValueError(f"k_cache and v_cache must have the same shape; got k_cache "
                          f"{k_cache_shape}, v_cache {shape('v_cache')}")
     batch = q_shape[0]
     _, seqlen_cache, heads_k, head_dim = k_cache_shape
+    if paged:
+        _, page_size, _ = _check_block_table(shape("block_table"), dtype("block_table"), batch,
+                                             k_cache_shape)
+        seqlen_cache = shape("block_table")[1] * page_size
+        for name in ("cache_batch_idx", "cache_leftpad"):
+            if name in arrays:  # (flash-attn refuses both with a paged cache too)
+                raise ValueError(f"{name} cannot be used with block_table: the block table "
+                                 f"already says where each entry's rows are")
     if ("k" in arrays) != ("v" in arrays):
         raise ValueError("k and v are appended together: pass both or neither")
     seqlen_new = 0
@@ -599,7 +674,7 @@ def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size
             raise TypeError(f"{name} must be int32; got {dtype(name)}")
         if shape(name) != (batch,):
             raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {shape(name)}")
-    if "cache_batch_idx" not in arrays and k_cache_shape[0] != batch:
+    if "cache_batch_idx" not in arrays and not paged and k_cache_shape[0] != batch:
         raise ValueError(f"k_cache must hold one entry per batch entry ({batch}) without "
                          f"cache_batch_idx; got k_cache {k_cache_shape}")
     rotary_dim = seqlen_ro = 0
@@ -763,7 +838,8 @@ def _host_descriptors_allowed(p: "AttentionProblem", host: bool, *strides) -> bo
     (a sequence's blocks must end at its own last (used) row: the rows past it may hold
     anything, NaN included, and 0 * NaN would reach the sums) nor broadcast arrays (a
     stride of 0)."""
-    return host and not p.varlen and not p.seqused_k and all(s > 0 for st in strides for s in st)
+    return (host and not p.varlen and not p.seqused_k and not p.paged
+            and all(s > 0 for st in strides for s in st))
 
 
 def _flat_rows(shape: Shape, strides: tuple[int, int, int], block_d: int) -> tuple | None:
@@ -932,8 +1008,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     memory from the launcher), else the blocks come through pointers."""
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
-    k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen)
-    v_st = _bsh(_strides("v", p.kv_shape, v_strides), p.varlen)
+    k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen and not p.paged)
+    v_st = _bsh(_strides("v", p.kv_shape, v_strides), p.varlen and not p.paged)
     o_st = _bsh(contiguous_strides(p.out_shape), p.varlen)
     l_st = (0, p.total_q) if p.varlen else contiguous_strides(p.lse_shape)[:2]
     host = _host_descriptors_allowed(p, host_descriptors, k_st, v_st)
@@ -948,6 +1024,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
         num_splits = num_splits_for(blocks * heads * p.batch, key_blocks, num_sms)
     num_splits = max(1, min(int(num_splits), max(1, key_blocks)))
     split = num_splits > 1
+    if p.paged:  # a block's rows may lie on several pages: pointer loads
+        tma = False
     if tma is None and key_blocks <= 1:
         # One key block: nothing to stream, so no descriptors unless a caller asks
         # (ptxas 12.8 crashes on the D = 256 causal forward with seqlen_k = 1 through them).
@@ -974,6 +1052,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                      **_lengths(p), **_named("q", q_st, "bmh"), **_named("k", k_st, "bnh"),
                      **_named("v", v_st, "bnh"), **_named("o", o_st, "bmh"),
                      **_named("l", l_st, "bh"), **_bias_alibi_scalars(p, bias_strides),
+                     page_size=p.page_size, num_pages=p.num_pages, stride_tb=p.pages_per_entry,
                      num_splits=num_splits, stride_os=split_strides[0],
                      stride_ls=split_strides[1]),
         outputs=outputs,
@@ -982,7 +1061,9 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                         HAS_SEQUSED_K=p.seqused_k, DOT_PRECISION=p.dot_precision,
                         STRIDES_ALIGNED=_aligned(q_st, k_st, v_st, o_st),
                         PACK_GQA=packed, SPLIT_KV=split, USE_TMA=flags["USE_TMA"],
-                        HOST_TMA=flags["HOST_TMA"], FOLD_SCALE=fold_scale(p)),
+                        HOST_TMA=flags["HOST_TMA"], FOLD_SCALE=fold_scale(p),
+                        PAGED_KV=p.paged,
+                        WHOLE_PAGES=p.paged and p.page_size % cfg.block_n == 0),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         blocks=_blocks(flags["HOST_TMA"], p.block_d, ("k", p.kv_shape, k_st, cfg.block_n),
@@ -990,7 +1071,9 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     )
     combine = None
     if split:
-        block_m = min(64, seqlen_bucket(p.seqlen_q))
+        # Rows a program merges (1 for decode), and splits loaded at once: 16 tiles' rows.
+        block_m = min(64, 1 << max(0, p.seqlen_q - 1).bit_length())
+        split_chunk = max(1, min(1 << (num_splits - 1).bit_length(), 16 // block_m))
         combine = Launch(
             kernel="attention_forward_combine",
             grid=(_cdiv(p.seqlen_q, block_m), p.heads_q, p.batch),
@@ -1001,7 +1084,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                          stride_os=split_strides[0], stride_ls=split_strides[1]),
             outputs=results,
             constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m,
-                            IS_VARLEN=p.varlen, HAS_BIAS=p.bias_shape is not None),
+                            SPLIT_CHUNK=split_chunk, IS_VARLEN=p.varlen,
+                            HAS_BIAS=p.bias_shape is not None),
             num_warps=4,
             num_stages=1,
         )
@@ -1032,6 +1116,9 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     programs apart for dK and dV (two a key block).
     """
     p = problem
+    if p.paged:
+        raise NotImplementedError("block_table (a paged K/V cache) is forward-only, as in "
+                                  "flash-attn: no gradient flows through it")
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
     k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen)
     v_st = _bsh(_strides("v", p.kv_shape, v_strides), p.varlen)
