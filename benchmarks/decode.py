@@ -96,10 +96,9 @@ def kernel_step(q, k, v, seqused_k, block_table, num_splits=None):
     return step, fwd.num_splits
 
 
-def sweep(batch, seqlen, heads_q, heads_k, page_size, splits, tiles, head_dim=128,
-          dtype=torch.bfloat16):
-    """Kernel time (us) for each forced split count and few-rows tile (block_n, warps,
-    stages): what the plan's choices could be."""
+def decode_inputs(batch, seqlen, heads_q, heads_k, page_size, head_dim, dtype):
+    """q, full caches, their lengths and (paged) the block table: with ``page_size`` the
+    caches are the same memory viewed as pages, in random order."""
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(0)
     shape = (batch, seqlen, heads_k, head_dim)
@@ -112,6 +111,15 @@ def sweep(batch, seqlen, heads_q, heads_k, page_size, splits, tiles, head_dim=12
         pages = batch * seqlen // page_size
         k, v = (c.view(pages, page_size, heads_k, head_dim) for c in (k, v))
         table = torch.randperm(pages, generator=gen, device=device).view(batch, -1).int()
+    return q, k, v, seqlens, table
+
+
+def sweep(batch, seqlen, heads_q, heads_k, page_size, splits, tiles, head_dim=128,
+          dtype=torch.bfloat16):
+    """Kernel time (us) for each forced split count and few-rows tile (block_n, warps,
+    stages): what the plan's choices could be."""
+    q, k, v, seqlens, table = decode_inputs(batch, seqlen, heads_q, heads_k, page_size,
+                                            head_dim, dtype)
     moved = 2 * k.numel() * k.element_size()
     key = ("forward", 128)
     saved = configs._GPU_16BIT_FEW_ROWS.get(key)
@@ -140,18 +148,8 @@ def measure(batch, seqlen, heads_q, heads_k, page_size, head_dim=128, dtype=torc
     dst = torch.empty_like(src)
     copy_bandwidth = 2 * 4 * src.numel() / graph_time(lambda: dst.copy_(src))
     del src, dst
-    gen = torch.Generator(device).manual_seed(0)
-    cache_shape = (batch, seqlen, heads_k, head_dim)
-    k_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
-    v_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
-    q = torch.randn(batch, 1, heads_q, head_dim, generator=gen, device=device, dtype=dtype)
-    seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
-    table = None
-    k, v = k_cache, v_cache
-    if page_size:  # the same memory as pages in random order
-        pages = batch * seqlen // page_size
-        k, v = (c.view(pages, page_size, heads_k, head_dim) for c in (k_cache, v_cache))
-        table = torch.randperm(pages, generator=gen, device=device).view(batch, -1).int()
+    q, k, v, seqlens, table = decode_inputs(batch, seqlen, heads_q, heads_k, page_size,
+                                            head_dim, dtype)
     step, splits = kernel_step(q, k, v, seqlens, table)
     kernel = graph_time(step)
 
@@ -161,13 +159,13 @@ def measure(batch, seqlen, heads_q, heads_k, page_size, head_dim=128, dtype=torc
     sdpa = peer = None
     if not page_size:
         def peer():
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
-                                                  v_cache.transpose(1, 2), enable_gqa=True)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                  v.transpose(1, 2), enable_gqa=True)
         try:
             sdpa = graph_time(peer)
         except RuntimeError as error:  # (a backend may refuse the shape)
             print(f"  sdpa: {str(error)[:120]}", file=sys.stderr)
-    del k_cache, v_cache, k, v, step, call, peer
+    del k, v, step, call, peer
     torch.cuda.empty_cache()
     bandwidth = lambda t: moved / t  # noqa: E731
     return dict(batch=batch, seqlen=seqlen, heads=f"{heads_q}/{heads_k}", page=page_size,

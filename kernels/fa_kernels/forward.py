@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .helpers import (aligned, block_source, dropout_keep, final_lse, kernel, key_blocks,
-                      load_block, load_paged_block, load_rows, load_seed, load_tile, paged_source,
+                      load_kv_block, load_rows, load_seed, load_tile, paged_source,
                       scores, sequence_bounds, softmax_step, split_blocks, store_rows, store_tile,
                       visible)
 
@@ -32,12 +32,8 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
             FOLD_SCALE: tl.constexpr, PAGED_KV: tl.constexpr, WHOLE_PAGES: tl.constexpr):
     """Fold the key block starting at ``start_n`` into the running softmax."""
     cols = start_n + offs_n
-    if PAGED_KV:
-        k = load_paged_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM,
-                             BLOCK_D, MASKED, WHOLE_PAGES)
-    else:
-        k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                       MASKED, USE_TMA, HOST_TMA)
+    k = load_kv_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
+                      MASKED, USE_TMA, HOST_TMA, PAGED_KV, WHOLE_PAGES)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if FOLD_SCALE:  # plain scores, scale > 0: softmax_step applies it
         s = qk
@@ -52,12 +48,8 @@ def _attend(acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs
     if HAS_DROPOUT:  # l keeps the undropped sum: dropout acts on normalised probabilities
         p = tl.where(dropout_keep(seed_lo, seed_hi, batch, head, rows[:, None], cols[None, :],
                                   dropout_p), p, 0.0)
-    if PAGED_KV:
-        v = load_paged_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM,
-                             BLOCK_D, MASKED, WHOLE_PAGES)
-    else:
-        v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
-                       MASKED, USE_TMA, HOST_TMA)
+    v = load_kv_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D,
+                      MASKED, USE_TMA, HOST_TMA, PAGED_KV, WHOLE_PAGES)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 

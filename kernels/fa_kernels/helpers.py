@@ -191,6 +191,18 @@ def load_paged_block(source, start, offs_row, offs_d, stride_row, num_rows,
 
 
 @triton.jit
+def load_kv_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr,
+                  HOST_TMA: tl.constexpr, PAGED_KV: tl.constexpr, WHOLE_PAGES: tl.constexpr):
+    """A K or V block from wherever the forward's keys live: pages or one slab."""
+    if PAGED_KV:
+        return load_paged_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM,
+                                BLOCK_D, CHECK_ROWS, WHOLE_PAGES)
+    return load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM, BLOCK_D,
+                      CHECK_ROWS, USE_TMA, HOST_TMA)
+
+
+@triton.jit
 def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q,
                     total_k, IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
     """(first query token, first key token, seqlen_q, seqlen_k) of one batch entry.
