@@ -28,11 +28,13 @@ def test_every_variant_compiles(capability):
 
 def test_jax_triton_compiles_the_jit_ptx():
     # fa_jax's launches (jax_triton: no scalar marked divisible) and fa_torch's (Triton's
-    # JIT) compile to the same PTX for sm_90: the same speed and the same bits.
+    # JIT) compile to the same PTX for sm_90, split-KV's partial results and combine
+    # included: the same speed and the same bits.
     env = dict(os.environ, TRITON_INTERPRET="0")
     result = subprocess.run([sys.executable, "-m", "fa_kernels.offline", "--compare-launchers",
                              "--quick"], env=env, capture_output=True, text=True, timeout=900)
     lines = result.stdout.splitlines()
     assert result.returncode == 0 and lines[-1].endswith("; 0 differ"), \
         result.stdout[-3000:] + result.stderr[-3000:]
-    assert sum("same PTX" in line for line in lines) == 8  # forward, preprocess, dK/dV, dQ x2
+    # forward, preprocess, dK/dV, dQ: plain, causal GQA, and split-KV (+ its combine)
+    assert sum("same PTX" in line for line in lines) == 13

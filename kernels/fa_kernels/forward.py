@@ -91,6 +91,7 @@ def attention_forward(
     stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
     stride_om = aligned(stride_om, STRIDES_ALIGNED)
     stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
+    stride_os = aligned(stride_os, STRIDES_ALIGNED)  # (a whole number of outputs)
     # Split-KV: programs (block, split) share a query block, each over a slice of the keys,
     # and write partial results that attention_forward_combine merges.
     block = tl.program_id(0)
@@ -224,6 +225,7 @@ def attention_forward_combine(
     Out, LSE, LSELo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    STRIDES_ALIGNED: tl.constexpr,
 ):
     """Merge split-KV partial results: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s.
 
@@ -235,6 +237,10 @@ def attention_forward_combine(
 
     The partial buffers have the layout of Out and LSE (fp32) with a leading split axis.
     """
+    stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
+    stride_om = aligned(stride_om, STRIDES_ALIGNED)
+    stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
+    stride_os = aligned(stride_os, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.cast(tl.program_id(1), tl.int64)
     batch = tl.program_id(2)

@@ -27,7 +27,8 @@ FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 # equal to 1): jax_triton marks no scalar, so a kernel specialised on them would differ
 # between the front ends. The strides' divisibility comes from ``aligned`` instead.
 UNSPECIALISED = ("seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
-                 "stride_lb", "stride_lh", "page_size", "num_pages", "stride_tb")
+                 "stride_lb", "stride_lh", "stride_ls", "num_splits", "page_size", "num_pages",
+                 "stride_tb")
 
 
 def kernel(fn):

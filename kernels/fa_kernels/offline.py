@@ -302,12 +302,16 @@ def ptx_body(ptx: str) -> str:
 
 
 def launcher_variants(capability: tuple[int, int]):
-    """(name, problem) of the main shapes at D = 128: plain, causal with GQA, every option."""
+    """(name, problem) of the main shapes at D = 128: plain, causal with GQA, split-KV,
+    every option."""
     shape, gqa_kv = (2, 4096, 4, 128), (2, 4096, 2, 128)
     dtype = "bfloat16"
     yield "D=128", fa_plan.check_problem(shape, shape, shape, dtype, dtype, dtype)
     yield "D=128 causal gqa", fa_plan.check_problem(shape, gqa_kv, gqa_kv, dtype, dtype, dtype,
                                                     causal=True)
+    # A grid too small for the GPU: split-KV, then the combine kernel (num_sms of an H100).
+    small, small_kv = (1, 2048, 4, 128), (1, 2048, 2, 128)
+    yield "D=128 split-KV", fa_plan.check_problem(small, small_kv, small_kv, dtype, dtype, dtype)
     yield "D=128 every option", fa_plan.check_problem(
         shape, gqa_kv, gqa_kv, dtype, dtype, dtype, causal=True, window_size=(256, -1),
         softcap=30.0, dropout_p=0.1, bias_shape=(2, 4, 4096, 4096), bias_dtype=dtype,
@@ -319,8 +323,9 @@ def compare_launchers(capability: tuple[int, int], quick: bool = False, out=sys.
     counts of each and whether the code is the same; return how many differ (every
     option: the bias strides, which only Triton's JIT marks, are allowed to)."""
     differ = 0
-    for name, problem in list(launcher_variants(capability))[:2 if quick else None]:
-        fwd = fa_plan.forward_plan(problem, capability=capability, device_descriptors=False)
+    for name, problem in list(launcher_variants(capability))[:3 if quick else None]:
+        fwd = fa_plan.forward_plan(problem, capability=capability, device_descriptors=False,
+                                   num_sms=132)
         bwd = fa_plan.backward_plan(problem, capability=capability, device_descriptors=False,
                                     bias_grad=problem.bias_shape is not None)
         dtypes = input_dtypes(problem, (fwd, bwd))

@@ -1053,7 +1053,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                      **_named("v", v_st, "bnh"), **_named("o", o_st, "bmh"),
                      **_named("l", l_st, "bh"), **_bias_alibi_scalars(p, bias_strides),
                      page_size=p.page_size, num_pages=p.num_pages, stride_tb=p.pages_per_entry,
-                     num_splits=num_splits, stride_os=split_strides[0],
+                     # (0 unsplit: jax_triton would fold a 1 into the code, the JIT not)
+                     num_splits=num_splits if split else 0, stride_os=split_strides[0],
                      stride_ls=split_strides[1]),
         outputs=outputs,
         constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
@@ -1085,7 +1086,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
             outputs=results,
             constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block_m,
                             SPLIT_CHUNK=split_chunk, IS_VARLEN=p.varlen,
-                            HAS_BIAS=p.bias_shape is not None),
+                            HAS_BIAS=p.bias_shape is not None, STRIDES_ALIGNED=_aligned(o_st)),
             num_warps=4,
             num_stages=1,
         )
