@@ -197,10 +197,12 @@ def load_kv_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DI
                   HOST_TMA: tl.constexpr, PAGED_KV: tl.constexpr, WHOLE_PAGES: tl.constexpr):
     """A K or V block from wherever the forward's keys live: pages or one slab."""
     if PAGED_KV:
-        return load_paged_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM,
-                                BLOCK_D, CHECK_ROWS, WHOLE_PAGES)
-    return load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM, BLOCK_D,
-                      CHECK_ROWS, USE_TMA, HOST_TMA)
+        block = load_paged_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM,
+                                 BLOCK_D, CHECK_ROWS, WHOLE_PAGES)
+    else:
+        block = load_block(source, start, offs_row, offs_d, stride_row, num_rows, HEAD_DIM,
+                           BLOCK_D, CHECK_ROWS, USE_TMA, HOST_TMA)
+    return block
 
 
 @triton.jit
