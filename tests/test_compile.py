@@ -38,3 +38,20 @@ def test_jax_triton_compiles_the_jit_ptx():
         result.stdout[-3000:] + result.stderr[-3000:]
     # forward, preprocess, dK/dV, dQ: plain, causal GQA, and split-KV (+ its combine)
     assert sum("same PTX" in line for line in lines) == 13
+
+
+def test_ptx_comparison_ignores_where_the_source_lies():
+    # Triton's cache key holds no path: a kernel cached from another checkout carries other
+    # .file/.loc lines and must still compare equal; a changed instruction must not.
+    from fa_kernels.offline import ptx_body
+
+    def ptx(root, line, op):
+        return (f".version 8.7\n.visible .entry attention_forward(\n\t.param .u64 "
+                f"attention_forward_param_0\n)\n{{\n\t.loc\t1 {line} 4\n$L__tmp0:\n\t{op} "
+                f"%r1, %r2, %r3;\n\tret;\n}}\n\t.file\t1 \"{root}/kernels/fa_kernels/forward.py\"\n"
+                f"\t.section\t.debug_info\n\t{{\n.b8 {len(root)}\n\t}}\n")
+
+    here = ptx("/work/main", 58, "add.s32")
+    assert ptx_body(here) == ptx_body(ptx("/check/work/main", 61, "add.s32"))
+    assert ptx_body(here) != ptx_body(ptx("/work/main", 58, "sub.s32"))
+    assert "attention_forward_param_0" not in ptx_body(here) and "param_0" in ptx_body(here)

@@ -297,8 +297,14 @@ def ptx_counts(ptx: str) -> dict:
 
 
 def ptx_body(ptx: str) -> str:
-    """The kernel's code, its parameters by position (the names carry the kernel's name)."""
-    return re.sub(r"\w+_param_(\d+)", r"param_\1", ptx[ptx.index(".entry"):])
+    """The kernel's code, its parameters by position (the names carry the kernel's name),
+    without the debug information (``.loc`` lines, their labels, the ``.file`` and DWARF
+    sections): it names the source's path, which Triton's cache key does not hold, so a
+    kernel cached from another checkout comes back with other paths and the same code."""
+    code = ptx[ptx.index(".entry"):].split("\n\t.file", 1)[0]
+    lines = [line for line in code.splitlines()
+             if not re.match(r"\s*(\.loc\s|\$L__tmp\d+:)", line)]
+    return re.sub(r"\w+_param_(\d+)", r"param_\1", "\n".join(lines))
 
 
 def launcher_variants(capability: tuple[int, int]):
@@ -332,13 +338,19 @@ def compare_launchers(capability: tuple[int, int], quick: bool = False, out=sys.
         for launch in (*fwd.launches, *bwd.launches):
             ptx = {launcher: compile_launch(launch, dtypes, capability, launcher).asm["ptx"]
                    for launcher in ("jit", "jax_triton")}
-            same = ptx_body(ptx["jit"]) == ptx_body(ptx["jax_triton"])
+            bodies = [ptx_body(ptx[launcher]).splitlines() for launcher in ("jit", "jax_triton")]
+            same = bodies[0] == bodies[1]
             differ += not same and problem.bias_shape is None
             counts = {launcher: " ".join(f"{v}" for v in ptx_counts(text).values())
                       for launcher, text in ptx.items()}
             print(f"{name:20s} {launch.kernel:32s} JIT {counts['jit']:16s} "
                   f"jax_triton {counts['jax_triton']:16s} {'same PTX' if same else 'PTX DIFFERS'}",
                   file=out, flush=True)
+            if not same:  # the first line that differs, for whoever reads a failed check
+                first = next((pair for pair in zip(*bodies) if pair[0] != pair[1]),
+                             (f"{len(bodies[0])} lines", f"{len(bodies[1])} lines"))
+                print(f"    JIT:        {first[0].strip()}\n    jax_triton: {first[1].strip()}",
+                      file=out)
     print(f"counts: {' / '.join(ptx_counts(''))}; {differ} differ", file=out)
     return differ
 
