@@ -17,8 +17,9 @@ Linen passes only the arguments an attention_fn declares, so every one is declar
   sees its first n_b keys, as ``nn.make_attention_mask(ones, key_is_real)`` makes)
   becomes per-entry key counts (the kernels' ``seqused_k``): no dense bias either way.
   Under jit a mask is a tracer and cannot be inspected: it becomes a 0 / -inf bias; say
-  ``make_attention_fn(causal=True)`` for the fast causal path, or call
-  ``fa_jax.dot_product_attention(..., key_value_seq_lengths=...)`` with the lengths.
+  ``make_attention_fn(causal=True)`` for the fast causal path, and pass key padding as
+  lengths, ``make_attention_fn(key_value_seq_lengths=lengths)`` (traced arrays welcome),
+  which become ``seqused_k`` as a concrete padding mask does.
 * ``dropout_rng`` seeds our dropout (the mask is drawn per batch entry and head;
   ``broadcast_dropout`` is accepted, the mask is not broadcast over batch dims).
 * ``dtype`` casts q, k, v for the computation; the softmax is always in fp32
@@ -71,6 +72,18 @@ def _key_counts(mask, batch_dims, q_len: int, kv_len: int):
     return jnp.asarray(counts[:, 0], jnp.int32)
 
 
+def _key_lengths(lengths, batch_dims, kv_len: int):
+    """``key_value_seq_lengths`` checked (int32 of the query's batch shape) and clipped
+    to [0, kv_len], or None."""
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths)
+    if lengths.dtype != np.int32 or lengths.shape != tuple(batch_dims):
+        raise ValueError(f"key_value_seq_lengths must be an int32 array of the batch shape "
+                         f"{tuple(batch_dims)}; got {lengths.dtype} of shape {lengths.shape}")
+    return jnp.clip(lengths, 0, kv_len)
+
+
 def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                   deterministic, dtype, is_causal, options):
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -87,16 +100,26 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
         return x.reshape(lead, *x.shape[-3:])
 
     causal = options.pop("causal", False) or bool(is_causal)
+    lengths = _key_lengths(options.pop("key_value_seq_lengths", None), batch_dims, kv_len)
     if mask is not None and _is_causal_mask(mask, q_len, kv_len):
         causal, mask = True, None
     # (Counts move the causal/window diagonal and ALiBi's distances to n_b: not with those.)
     plain = not causal and tuple(options.get("window_size", (-1, -1))) == (-1, -1) \
         and options.get("alibi_slopes") is None
+    # Key padding: True where a key is one of its entry's first n_b (batch..., 1, 1, Sk).
+    padding = None if lengths is None else \
+        jnp.arange(kv_len) < lengths.reshape(*batch_dims, 1, 1, 1)
+    if padding is not None and not plain:  # (then the lengths reach the kernels as a bias)
+        mask = padding if mask is None else jnp.asarray(mask, bool) & padding
     key_counts = _key_counts(mask, batch_dims, q_len, kv_len) if plain else None
+    mask_in_counts = key_counts is not None
+    if plain and lengths is not None:
+        key_counts = lengths.reshape(lead) if key_counts is None \
+            else jnp.minimum(key_counts, lengths.reshape(lead))
     if key_counts is not None:
         options["seqused_k"] = key_counts
     parts = [jnp.asarray(bias, jnp.float32)] if bias is not None else []
-    if mask is not None and key_counts is None:
+    if mask is not None and not mask_in_counts:
         mask = jnp.asarray(mask, bool)
         parts.append(jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32))
     total_bias = sum(parts[1:], parts[0]) if parts else None
@@ -112,8 +135,8 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
     out = attention(fold(query), fold(key), fold(value), causal=causal, bias=total_bias,
                     **dropout, **options)
     out = out.reshape(*batch_dims, q_len, heads, out.shape[-1]) if batch_dims else out[0]
-    if mask is not None:
-        visible = mask
+    if mask is not None or padding is not None:
+        visible = padding if mask is None else mask if padding is None else mask & padding
         window = tuple(options.get("window_size", (-1, -1)))
         if causal or window != (-1, -1):  # (the kernels' diagonal: bottom-right)
             visible = visible & window_mask(q_len, kv_len, window[0], 0 if causal else window[1],
@@ -138,7 +161,13 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
 
 def make_attention_fn(**options):
     """An ``attention_fn`` with fixed options of ``fa_jax.attention`` (``causal``,
-    ``window_size``, ``softcap``, ``alibi_slopes``, ``softmax_scale``...)."""
+    ``window_size``, ``softcap``, ``alibi_slopes``, ``softmax_scale``...), and
+    ``key_value_seq_lengths``: int32 of the query's batch shape, entry b's keys are its
+    first n_b (as ``nn.make_attention_mask(ones, arange(kv_len) < n_b)``, and with any
+    ``mask`` too). Lengths are data, so they work under jit: make the fn where they are
+    at hand, e.g. in a ``@nn.compact`` ``__call__``. Without causal, window or ALiBi
+    options they reach the kernels as ``seqused_k`` (no dense bias); with those, as a
+    bias."""
 
     def fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
            dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,

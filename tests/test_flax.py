@@ -67,6 +67,75 @@ def test_concrete_padding_mask_becomes_key_counts(lengths):
         np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("options", [{}, dict(causal=True), dict(window_size=(5, 3))],
+                         ids=["plain", "causal", "window"])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["lengths", "lengths_and_mask"])
+def test_key_lengths_under_jit(options, with_mask):
+    # Lengths are data: traced under jit they still say "entry b's first n_b keys", as
+    # Flax's padding mask; plain, they reach the kernels as seqused_k (no bias is built).
+    q, k, v = inputs(kv_len=24)
+    lengths = jnp.array([24, 0], jnp.int32)  # (a whole entry, and one with no key)
+    extra = jax.random.uniform(jax.random.PRNGKey(4), (2, 1, 24, 24)) > 0.3 if with_mask \
+        else None
+    padding = nn.make_attention_mask(jnp.ones((2, 24)), jnp.arange(24)[None] < lengths[:, None],
+                                     dtype=bool)
+    mask = padding if extra is None else padding & extra
+    if options.get("causal"):
+        mask = mask & nn.make_causal_mask(jnp.ones((2, 24)), dtype=bool)
+    if "window_size" in options:
+        rows, cols = jnp.arange(24)[:, None], jnp.arange(24)[None, :]
+        mask = mask & ((cols >= rows - 5) & (cols <= rows + 3))[None, None]
+    dout = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+
+    @jax.jit
+    def ours(q, k, v, lengths):
+        fn = fa_flax.make_attention_fn(key_value_seq_lengths=lengths, **options)
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask=extra), q, k, v)
+        return (out, *vjp(dout))
+
+    out, vjp = jax.vjp(lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask), q, k, v)
+    for got, want in zip(ours(q, k, v, lengths), (out, *vjp(dout))):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    if not options and extra is None:
+        fn = fa_flax.make_attention_fn(key_value_seq_lengths=lengths)
+        jaxpr = jax.make_jaxpr(lambda q, k, v: fn(q, k, v))(q, k, v)
+        shapes = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars]
+        assert shapes and not any(shape[-2:] == (24, 24) for shape in shapes), shapes
+
+
+def test_key_lengths_are_checked():
+    q, k, v = inputs()
+    for lengths in (jnp.array([3.0, 4.0]), jnp.array([3], jnp.int32)):
+        with pytest.raises(ValueError, match="key_value_seq_lengths must be an int32 array"):
+            fa_flax.make_attention_fn(key_value_seq_lengths=lengths)(q, k, v)
+
+
+def test_key_lengths_inside_a_jitted_model():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, lengths):
+            attention_fn = fa_flax.make_attention_fn(key_value_seq_lengths=lengths)
+            return nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=attention_fn)(x)
+
+    class Reference(nn.Module):
+        @nn.compact
+        def __call__(self, x, lengths):
+            mask = nn.make_attention_mask(jnp.ones(x.shape[:2]),
+                                          jnp.arange(x.shape[1])[None] < lengths[:, None])
+            return nn.MultiHeadDotProductAttention(num_heads=4)(x, mask=mask)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 20, 32))
+    lengths = jnp.array([20, 7], jnp.int32)
+    params = Reference().init(jax.random.PRNGKey(0), x, lengths)
+    loss = lambda model: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda p, x, n: jnp.sum(model.apply(p, x, n) ** 2)))
+    value, grads = loss(Model())(params, x, lengths)
+    want, want_grads = loss(Reference())(params, x, lengths)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4),
+                 grads, want_grads)
+
+
 def test_several_batch_dims():
     q, k, v = inputs(shape=(2, 3, 10, 2, 16))
     mask = jnp.tril(jnp.ones((10, 10), bool))[None, None, None]
