@@ -7,11 +7,16 @@ attention up in ``AttentionInterface`` (Llama, Mistral, Qwen2, Gemma-2 and most 
 
 ``register`` adds two entries under one name: the attention function, and a mask function
 in ``AttentionMaskInterface`` (without one, transformers hands every attention function
-``attention_mask=None``, and padded batches come out silently wrong). The mask is
-transformers' own sdpa mask: None where causality alone describes the batch (no padding:
-the kernels' causal flag, nothing materialised), else a boolean ``(B, 1, Sq, Sk)`` mask that
-reaches the kernels as a bias of 0 / -inf (a masked key is invisible: weight and gradient
-0). What each model passes maps to the kernels' options: ``scaling`` to ``softmax_scale``,
+``attention_mask=None``, and padded batches come out silently wrong). For transformers'
+causal and sliding-window causal masks the mask is, as for its flash-attention
+implementations, the 2-D padding mask ``(B, Sk)`` (None without padding: the kernels'
+causal flag): each entry's real tokens, contiguous (left or right padding), are packed
+and attended through ``attention_varlen`` (no ``Sq x Sk`` mask or bias; padded query rows
+give 0), and a batch whose real tokens have gaps is masked exactly through a bias. Any
+other mask (bidirectional, packed sequences, overlays such as image tokens) is
+transformers' own sdpa mask, a boolean ``(B, 1, Sq, Sk)`` that reaches the kernels as a
+bias of 0 / -inf (a masked key is invisible: weight and gradient 0). What each model
+passes maps to the kernels' options: ``scaling`` to ``softmax_scale``,
 ``sliding_window`` to ``window_size=(sliding_window - 1, 0)`` (transformers' window holds
 the key itself and the ``sliding_window - 1`` before it; both sides without causality), ``softcap`` (Gemma-2's
 ``attn_logit_softcapping``) to ``softcap``, ``dropout`` (training) to ``dropout_p`` with a
@@ -23,9 +28,12 @@ transformers is an optional dependency (``pip install .[transformers]``), import
 """
 from __future__ import annotations
 
+import functools
+import itertools
+
 import torch
 
-from .ops import attention
+from .ops import attention, attention_varlen
 
 NAME = "fa_torch"
 
@@ -44,22 +52,91 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError("attn_implementation='fa_torch' takes no position_bias (T5-style "
                          "relative biases); use 'eager' or 'sdpa' for such models")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    options = dict(softmax_scale=scaling, softcap=float(softcap or 0.0),
+                   dropout_p=float(dropout or 0.0))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if attention_mask is not None and attention_mask.ndim == 2:  # our mask function's
+        return _padded_attention(q, k, v, attention_mask.bool(), bool(causal), sliding_window,
+                                 options), None
     bias = None
     if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            bias = torch.zeros(attention_mask.shape, dtype=query.dtype,
-                               device=query.device).masked_fill(~attention_mask, float("-inf"))
-        else:  # an additive float mask (finfo.min where masked): used as it is
-            bias = attention_mask
+        bias = _bias(attention_mask, query.dtype)
         causal = False  # the mask holds the causal pattern (and any window) itself
-    window = (-1, -1)
-    if sliding_window is not None and sliding_window > 0:  # |i - j| < sliding_window
-        window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                    causal=bool(causal), softmax_scale=scaling, bias=bias,
-                    window_size=window, softcap=float(softcap or 0.0),
-                    dropout_p=float(dropout or 0.0))
+    out = attention(q, k, v, causal=bool(causal), bias=bias,
+                    window_size=_window(sliding_window, causal), **options)
     return out, None
+
+
+def _window(sliding_window, causal: bool) -> tuple[int, int]:
+    """transformers' ``sliding_window`` (|i - j| < sliding_window) as ``window_size``."""
+    if sliding_window is None or sliding_window <= 0:
+        return (-1, -1)
+    return (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
+
+
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as a 0 / -inf bias; an additive float mask (finfo.min
+    where masked) as it is."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask,
+                                                                               float("-inf"))
+
+
+def _padded_attention(q, k, v, padding, causal: bool, sliding_window, options):
+    """q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hk, D)``, ``padding`` ``(B, Sk)`` (True: a real
+    token); the queries are the last Sq positions. Returns ``(B, Sq, Hq, D)``."""
+    batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+    if padding.shape != (batch, kv_len):
+        raise ValueError(f"a 2-D attention_mask must have shape (batch, kv_length) = ({batch}, "
+                         f"{kv_len}); got {tuple(padding.shape)}")
+    window = _window(sliding_window, causal)
+    positions = torch.arange(kv_len, device=padding.device)
+    counts = padding.sum(1)
+    starts = torch.where(counts > 0, padding.int().argmax(1), 0)
+    ends = starts + counts
+    spans = (positions >= starts[:, None]) & (positions < ends[:, None])
+    # One copy to the host: every entry's span and whether the real tokens fill it.
+    host = torch.cat([starts, ends, (spans == padding).all().long()[None]]).tolist()
+    starts, ends, contiguous = host[:batch], host[batch:2 * batch], bool(host[-1])
+    if not contiguous:  # gaps: the exact mask, as a bias
+        rows = torch.arange(q_len, device=padding.device)[:, None] + (kv_len - q_len)
+        visible = padding[:, None, None, :].expand(batch, 1, q_len, kv_len)
+        if causal:
+            visible = visible & (positions[None, :] <= rows)
+        if window[0] >= 0:
+            visible = visible & (positions[None, :] >= rows - window[0])
+        if window[1] >= 0:
+            visible = visible & (positions[None, :] <= rows + window[1])
+        return attention(q, k, v, bias=_bias(visible, q.dtype), **options)
+    # Entry b's real tokens are keys starts[b]:ends[b] and, of the queries (positions
+    # kv_len - q_len on), those up to ends[b]: packed, each is its own varlen sequence, and
+    # its bottom-right causal/window diagonal is the batch's.
+    first_query = kv_len - q_len
+    q_starts = [max(start, first_query) for start in starts]
+    q_counts = [max(0, end - q_start) for q_start, end in zip(q_starts, ends)]
+    q_rows = torch.cat([torch.arange(b * q_len + q_start - first_query,
+                                     b * q_len + q_start - first_query + count)
+                        for b, (q_start, count) in enumerate(zip(q_starts, q_counts))])
+    k_rows = torch.cat([torch.arange(b * kv_len + start, b * kv_len + end)
+                        for b, (start, end) in enumerate(zip(starts, ends))])
+    out = q.new_zeros(batch * q_len, *q.shape[2:])
+    if not q_rows.numel():
+        return out.view(q.shape)
+    q_rows, k_rows = q_rows.to(q.device), k_rows.to(q.device)
+
+    def packed(x, rows):
+        return x.reshape(-1, *x.shape[2:]).index_select(0, rows)
+
+    def cumulative(lengths):
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
+                            device=q.device)
+
+    kv_counts = [end - start for start, end in zip(starts, ends)]
+    result = attention_varlen(packed(q, q_rows), packed(k, k_rows), packed(v, k_rows),
+                              cumulative(q_counts), cumulative(kv_counts), max(q_counts),
+                              max(kv_counts), causal=causal, window_size=window, **options)
+    return out.index_copy(0, q_rows, result).view(q.shape)
 
 
 def register(name: str = NAME) -> str:
@@ -72,5 +149,53 @@ def register(name: str = NAME) -> str:
         raise ImportError("fa_torch.transformers needs transformers: pip install "
                           "'flash-attention-jax-torch[transformers]'") from error
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, functools.partial(mask_interface, sdpa_mask=sdpa_mask))
     return name
+
+
+def _same_function(a, b) -> bool:
+    """Whether two mask functions are the same code over equal captured values (transformers
+    builds its sliding-window mask function anew for each call)."""
+    if a is b:
+        return True
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if code_a is None or code_a is not code_b:
+        return False
+    cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+    return len(cells_a) == len(cells_b) and all(
+        _same_value(x.cell_contents, y.cell_contents) for x, y in zip(cells_a, cells_b))
+
+
+def _same_value(a, b) -> bool:
+    if callable(a) and callable(b):
+        return _same_function(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
+
+
+def mask_interface(*, batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                   mask_function=None, attention_mask=None, local_size=None, sdpa_mask=None,
+                   **kwargs):
+    """transformers' mask interface: the 2-D padding mask ``(B, kv_length)`` (None when
+    nothing is padded) for its causal and sliding-window causal masks with the queries at
+    the end of the keys, else ``sdpa_mask``'s boolean ``(B, 1, Sq, Sk)`` mask."""
+    from transformers.masking_utils import (causal_mask_function,
+                                            sliding_window_causal_mask_function)
+
+    arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                     local_size=local_size, **kwargs)
+    if mask_function is not None:
+        arguments["mask_function"] = mask_function
+    causal = mask_function is None or mask_function is causal_mask_function
+    sliding = local_size is not None and _same_function(
+        mask_function, sliding_window_causal_mask_function(local_size))
+    at_the_end = all(isinstance(n, int) for n in (q_offset, kv_offset)) \
+        and q_offset + q_length == kv_offset + kv_length
+    if not ((causal and local_size is None) or sliding) or not at_the_end \
+            or attention_mask is None or attention_mask.ndim != 2 \
+            or attention_mask.shape[-1] < kv_length:
+        return sdpa_mask(**arguments)
+    padding = attention_mask[:, -kv_length:].bool()
+    return None if bool(padding.all()) else padding

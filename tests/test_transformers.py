@@ -43,6 +43,8 @@ def _batch(padding, batch=2, seqlen=12):
         mask[1, -5:] = 0
     elif padding == "left":
         mask[1, :5] = 0
+    elif padding == "gap":  # real tokens with a hole: no contiguous span to pack
+        mask[1, 4:7] = 0
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
@@ -51,7 +53,7 @@ def registered():
     assert fa_transformers.register() == "fa_torch"
 
 
-@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("padding", ["none", "right", "left", "gap"])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2"])
 def test_logits_and_gradients_match(name, padding):
     ids, mask = _batch(padding)
@@ -71,7 +73,32 @@ def test_logits_and_gradients_match(name, padding):
         torch.testing.assert_close(our_grads[n], their_grads[n], atol=2e-5, rtol=1e-3, msg=n)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_padding_reaches_the_kernels_as_lengths():
+    # Causal and sliding-window causal masks come as the 2-D padding mask (packed through
+    # attention_varlen: no (B, 1, Sq, Sk) mask), None without padding; any other mask
+    # function is transformers' sdpa mask.
+    from transformers.masking_utils import (and_masks, causal_mask_function,
+                                            sliding_window_causal_mask_function)
+
+    _, mask = _batch("left")
+    mask = mask.bool()
+    common = dict(batch_size=2, q_length=12, kv_length=12, attention_mask=mask, device=DEVICE)
+    interface = transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["fa_torch"]
+    got = interface(mask_function=causal_mask_function, **common)
+    assert got.shape == (2, 12) and torch.equal(got, mask)
+    got = interface(mask_function=sliding_window_causal_mask_function(5), local_size=5, **common)
+    assert got.shape == (2, 12)
+    assert interface(mask_function=causal_mask_function,
+                     **dict(common, attention_mask=torch.ones_like(mask))) is None
+    overlay = and_masks(causal_mask_function, lambda b, h, q, kv: kv % 2 == 0)
+    assert interface(mask_function=overlay, **common).shape == (2, 1, 12, 12)
+    # a sliding window other than the one the interface is told of is not taken for it
+    other = interface(mask_function=sliding_window_causal_mask_function(4), local_size=5,
+                      **common)
+    assert other.shape == (2, 1, 12, 12)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
 def test_greedy_generation_matches(name):
     ids, mask = _batch("left")
     tokens = {}
