@@ -53,7 +53,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_cache and v_cache are a page pool ``(num_blocks, page_block_size, heads_k,
     head_dim)``, any page size; row t of entry b is row ``t % page_block_size`` of page
     ``block_table[b, t // page_block_size]`` (not with cache_batch_idx or cache_leftpad,
-    as in flash-attn). ``num_splits`` is accepted; the plan chooses the key splits.
+    as in flash-attn); lengths past what the table addresses raise
+    ``fa_kernels.plan.CacheOverflowError`` (a ValueError and a RuntimeError), lengths on
+    the GPU included (one copy to the host, as flash-attn; not while a CUDA graph is
+    captured). ``num_splits`` is accepted; the plan chooses the key splits.
     Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse``.
     """
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
@@ -72,7 +75,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     device = q.device
     if seqlens_given:
         seqlens = cache_seqlens.to(device)
-        if not cache_seqlens.is_cuda:  # on the host: checked (on the GPU: clamped below)
+        # On the host: checked. On the GPU: clamped below, and with a block table also
+        # checked as flash-attn does (one copy to the host), except while a CUDA graph is
+        # captured (no copy can happen there; the clamp keeps the pages in bounds).
+        if not cache_seqlens.is_cuda or (block_table is not None
+                                         and not torch.cuda.is_current_stream_capturing()):
             fa_plan.check_cache_seqlens(cache_seqlens.tolist(), call)
     else:
         filled = call.seqlen_cache if call.cache_seqlens is None else call.cache_seqlens

@@ -258,3 +258,37 @@ def test_paged_device_table_is_clamped():
     clipped = bad.clamp(0, k_pool.shape[0] - 1)
     assert torch.equal(out, fa_torch.attention(q, k_pool, v_pool, block_table=clipped,
                                                seqused_k=used))
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["read_only", "append"])
+def test_paged_cache_lengths_past_the_block_table_are_refused(front, append):
+    # As flash-attn (its issue 2709): cache_seqlens (+ the new rows) past the rows the
+    # table's columns address raise, a RuntimeError naming block_table (and a ValueError),
+    # also for lengths on the GPU; exactly at capacity runs.
+    q = torch.randn(1, 1, 1, 64, device=DEVICE)
+    pool = torch.randn(4, 16, 1, 64, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    new = dict(k=torch.randn(1, 1, 1, 64, device=DEVICE),
+               v=torch.randn(1, 1, 1, 64, device=DEVICE)) if append else {}
+    over = torch.full((1,), 16 if append else 17, dtype=torch.int32, device=DEVICE)
+    full = torch.full((1,), 16, dtype=torch.int32, device=DEVICE)
+    if front == "torch":
+        import fa_torch
+
+        call = fa_torch.flash_attn_with_kvcache
+        convert = lambda x: x  # noqa: E731
+    else:
+        import fa_jax
+
+        def call(q, k_cache, v_cache, **options):
+            return fa_jax.attention_with_kvcache(q, k_cache, v_cache, **options)[0]
+        convert = to_numpy
+    with pytest.raises(RuntimeError, match="block_table") as raised:
+        call(convert(q), convert(pool), convert(pool), cache_seqlens=convert(over),
+             block_table=convert(table), **{n: convert(x) for n, x in new.items()})
+    assert isinstance(raised.value, ValueError)
+    out = call(convert(q), convert(pool), convert(pool), cache_seqlens=convert(full),
+               block_table=convert(table))
+    want = torch.softmax(q[0, 0, 0] @ pool[0, :, 0].T / 8.0, -1) @ pool[0, :, 0]
+    out = to_numpy(out) if front == "torch" else np.asarray(out)
+    np.testing.assert_allclose(out[0, 0, 0], to_numpy(want), atol=1e-5, rtol=1e-5)

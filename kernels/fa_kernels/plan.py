@@ -577,6 +577,11 @@ def check_cu_seqlens(name: str, values, total: int | None,
                          f"in {name} ({longest} tokens); pass max_seqlen_{side} >= {longest}")
 
 
+class CacheOverflowError(ValueError, RuntimeError):
+    """``cache_seqlens`` (plus the new rows) past the rows the cache, or its block table,
+    addresses: a ValueError, and the RuntimeError flash-attn raises for it."""
+
+
 @dataclass(frozen=True)
 class KVCacheCall:
     """What a validated ``flash_attn_with_kvcache`` call appends and rotates."""
@@ -591,6 +596,7 @@ class KVCacheCall:
     cache_seqlens: int | None = None  # the value when given as an int (None: an array, or
                                       # every entry full)
     return_lse: bool = False
+    paged: bool = False   # block_table: seqlen_cache is what its columns address
 
     @property
     def rotary_positions(self) -> int:
@@ -693,7 +699,7 @@ def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size
     per_row = causal or tuple(window_size) != (-1, -1)
     call = KVCacheCall(batch, seqlen_cache, seqlen_new, rotary_dim, per_row, q_shape[1],
                        seqlen_ro, None if cache_seqlens is None else int(cache_seqlens),
-                       check_bool("return_softmax_lse", return_softmax_lse))
+                       check_bool("return_softmax_lse", return_softmax_lse), paged)
     if call.cache_seqlens is not None:
         check_cache_seqlens([call.cache_seqlens] * batch, call)
     return call
@@ -704,9 +710,12 @@ def check_cache_seqlens(values, call: KVCacheCall) -> None:
     position rotated."""
     for b, used in enumerate(values):
         if not 0 <= used <= call.seqlen_cache - call.seqlen_new:
-            raise ValueError(f"cache_seqlens[{b}] = {used}: with {call.seqlen_new} new rows the "
-                             f"cache of {call.seqlen_cache} rows takes values in "
-                             f"[0, {call.seqlen_cache - call.seqlen_new}]")
+            holder = (f"the {call.seqlen_cache} rows block_table addresses (its columns times "
+                      f"the page size; give it more columns)" if call.paged
+                      else f"the cache of {call.seqlen_cache} rows")
+            error = CacheOverflowError if used > 0 else ValueError
+            raise error(f"cache_seqlens[{b}] = {used}: with {call.seqlen_new} new rows "
+                        f"{holder} takes values in [0, {call.seqlen_cache - call.seqlen_new}]")
         if call.rotary_dim and used + call.rotary_positions > call.seqlen_ro:
             raise ValueError(f"rotary_cos/rotary_sin have {call.seqlen_ro} positions; "
                              f"cache_seqlens[{b}] = {used} needs {used + call.rotary_positions}")
