@@ -17,6 +17,28 @@ def test_sliding_window(run, window_size, causal, seqlens):
                             window_size=window_size)
 
 
+def test_window_as_an_integer_array(front):
+    # flash-attn's own tests pass window_size as a 2-element integer tensor
+    # (torch.randint(0, seqlen_k, (2,))): the same window as the pair of ints.
+    q, k, v = random_qkv(2, 37, 45, 2, 2, 32, "float16", seed=3)
+    if front == "torch":
+        import fa_torch
+
+        got = fa_torch.flash_attn_func(q, k, v, window_size=torch.tensor([9, 4]))
+        want = fa_torch.flash_attn_func(q, k, v, window_size=(9, 4))
+        assert torch.equal(got, want)
+    else:
+        import fa_jax
+
+        arrays = [x.cpu().numpy() for x in (q, k, v)]
+        got = fa_jax.attention(*arrays, window_size=np.array([9, 4]))
+        assert np.array_equal(np.asarray(got), np.asarray(fa_jax.attention(*arrays,
+                                                                            window_size=(9, 4))))
+    with pytest.raises(TypeError, match="window_size must be a pair"):
+        (fa_torch.flash_attn_func(q, k, v, window_size=torch.tensor([9, 4, 1])) if front == "torch"
+         else fa_jax.attention(*arrays, window_size=np.array([[9, 4]])))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_softcap(run, dtype, causal):

@@ -27,6 +27,7 @@ import functools
 import json
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -319,18 +320,33 @@ def _describe(value) -> str:
     return text
 
 
+def window_pair(window_size) -> tuple[int, int]:
+    """``window_size`` as two ints: a pair of ints, or two integer scalars of an array
+    library (flash-attn's tests pass a 2-element integer tensor)."""
+    array = tuple(getattr(window_size, "shape", ())) == (2,)
+    sides = list(window_size) if isinstance(window_size, (tuple, list)) or array else None
+    if sides is None or len(sides) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints; got "
+                        f"{window_size!r}")
+    pair = []
+    for side, value in zip(("left", "right"), sides):
+        if isinstance(value, (bool, np.bool_)) or "bool" in str(getattr(value, "dtype", "")):
+            raise TypeError(f"window_size {side} must be an int; got {type(value).__name__}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"window_size {side} must be an int; got "
+                            f"{type(value).__name__}") from None
+        if value < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded); got {value}")
+        pair.append(value)
+    return pair[0], pair[1]
+
+
 def _window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """(left, right) with causal folded in (right = 0). A side as wide as the sequences
     bounds nothing and becomes -1: a window of any size (2**63 too) reaches no kernel."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a pair (left, right) of ints; got "
-                        f"{window_size!r}")
-    left, right = window_size
-    for side, value in (("left", left), ("right", right)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"window_size {side} must be an int; got {type(value).__name__}")
-        if value < -1:
-            raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded); got {value}")
+    left, right = window_pair(window_size)
     # Row i sees keys i + (seqlen_k - seqlen_q) - left .. + right (per sequence with varlen,
     # where these are the max lengths): left >= seqlen_k or right >= seqlen_q bounds nothing.
     left = -1 if left >= seqlen_k else int(left)
@@ -696,7 +712,7 @@ def check_kvcache(arrays: dict, *, cache_seqlens=None, causal=False, window_size
                              f"{cos} and {sin}")
         seqlen_ro, rotary_dim = cos[0], 2 * cos[1]
     causal = check_bool("causal", causal)
-    per_row = causal or tuple(window_size) != (-1, -1)
+    per_row = causal or window_pair(window_size) != (-1, -1)
     call = KVCacheCall(batch, seqlen_cache, seqlen_new, rotary_dim, per_row, q_shape[1],
                        seqlen_ro, None if cache_seqlens is None else int(cache_seqlens),
                        check_bool("return_softmax_lse", return_softmax_lse), paged)
