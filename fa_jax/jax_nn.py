@@ -15,8 +15,9 @@ Here a masked key is invisible (-inf: weight and gradient exactly 0, as jax.nn's
 masked row's output is the mean of the values, and padded query rows are zeroed. Without
 a mask or lengths, causal and window options become the kernels' own flags where they
 align (the kernels align the diagonal bottom-right; with Sq == Sk that is jax's);
-``key_value_seq_lengths`` alone becomes the kernels' ``seqused_k``; else the combined
-mask reaches the kernels as a 0 / -inf bias.
+without a mask, causality or a window the lengths need none either (the key lengths
+become the kernels' ``seqused_k``, rows past the query lengths are zeroed); else the
+combined mask reaches the kernels as a 0 / -inf bias.
 """
 from __future__ import annotations
 
@@ -133,13 +134,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                            **options)
         # (a row sees no key only when a left window ends before the keys start)
         empty = (jnp.arange(q_len) - left > kv_len - 1)[None, None] if left >= 0 else None
-    elif mask is None and q_lengths is None and left < 0 and right < 0 and alibi_slopes is None:
-        # Key padding alone is the kernels' seqused_k: no (B, 1, Sq, Sk) mask is built
-        # (not with ALiBi, whose distances seqused_k would measure from its count).
-        used = jnp.clip(kv_lengths, 0, kv_len)
+    elif mask is None and left < 0 and right < 0 and alibi_slopes is None:
+        # Padding without a mask or a diagonal: the key lengths are the kernels' seqused_k,
+        # and rows past the query lengths are zeroed below (what they saw is moot), so no
+        # (B, 1, Sq, Sk) mask is built (not with ALiBi, whose distances seqused_k would
+        # measure from its count).
+        used = None if kv_lengths is None else jnp.clip(kv_lengths, 0, kv_len)
         result = attention(q, k, v, bias=bias, seqused_k=used, return_lse=return_residual,
                            **options)
-        empty = (used == 0)[:, None, None]
+        empty = None if used is None else (used == 0)[:, None, None]
     else:
         visible = jnp.ones((1, 1, 1, 1), bool) if mask is None else mask
         if left >= 0 or right >= 0:
@@ -160,6 +163,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if q_lengths is not None:
         keep = jnp.arange(q_len)[None, :] < q_lengths[:, None]
         out = out * keep[:, :, None, None].astype(out.dtype)
+        if lse is not None:  # (a padded row sees no key, as in the masked path)
+            lse = jnp.where(keep[:, None, :], lse, -jnp.inf)
     if unbatched:
         out = out[0]
     if not return_residual:

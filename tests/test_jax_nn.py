@@ -20,6 +20,7 @@ CASES = {
     # an entry with no key (uniform attention) and one past kv_len (every key)
     "kv lengths bias": dict(key_value_seq_lengths=(0, 12), bias=True),
     "q and kv lengths": dict(query_seq_lengths=(7, 3), key_value_seq_lengths=(9, 4)),
+    "q lengths bias": dict(query_seq_lengths=(0, 5), bias=True),
     "lengths causal": dict(query_seq_lengths=(7, 3), key_value_seq_lengths=(7, 3),
                            is_causal=True),
     "scale": dict(scale=0.3),
@@ -49,7 +50,7 @@ SHAPES = {"self gqa": (9, 9, 4, 2), "Sq<Sk": (7, 9, 2, 2), "Sq>Sk mqa": (9, 7, 2
 GRID = ([(case, "self gqa") for case in CASES]
         + [(case, shape) for shape in ("Sq<Sk", "Sq>Sk mqa")
            for case in ("plain", "causal", "window", "causal window", "mask causal bias",
-                        "kv lengths")])
+                        "kv lengths", "q and kv lengths")])
 
 
 @pytest.mark.parametrize("case,shape", GRID, ids=[f"{c}-{s}" for c, s in GRID])
@@ -76,13 +77,25 @@ def test_matches_jax_nn(case, shape):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
-def test_key_lengths_alone_build_no_mask():
-    # They reach the kernels as seqused_k: nothing of shape (.., Sq, Sk) is made.
-    q, k, v, _, options = _inputs(9, 7, 2, 2, "kv lengths")
-    jaxpr = jax.make_jaxpr(lambda q, k, v: fa_jax.dot_product_attention(q, k, v, **options))(
-        q, k, v)
+@pytest.mark.parametrize("case", ["kv lengths", "q and kv lengths"])
+def test_lengths_alone_build_no_mask(case):
+    # Key lengths reach the kernels as seqused_k, query lengths zero rows afterwards:
+    # nothing of shape (.., Sq, Sk) is made, in the forward or the gradient.
+    q, k, v, _, options = _inputs(9, 7, 2, 2, case)
+
+    def loss(q, k, v):
+        return jnp.sum(fa_jax.dot_product_attention(q, k, v, **options) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v)
     shapes = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars]
     assert shapes and not any(shape[-2:] == (9, 7) for shape in shapes), shapes
+
+
+def test_residual_of_padded_query_rows_is_minus_inf():
+    q, k, v, _, options = _inputs(9, 9, 2, 2, "q and kv lengths")
+    out, lse = fa_jax.dot_product_attention(q, k, v, return_residual=True, **options)
+    assert np.all(np.asarray(lse[0, 7:]) == -np.inf) and np.all(np.isfinite(lse[0, :7]))
+    assert np.all(np.asarray(out[1, 3:]) == 0)
 
 
 def test_unbatched_and_residual():
