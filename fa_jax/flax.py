@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .jax_nn import no_visible_key, uniform_where_fully_masked, window_mask
+from .jax_nn import (no_visible_key, sequence_lengths, uniform_where_fully_masked,
+                     window_mask)
 from .ops import attention
 
 
@@ -72,18 +73,6 @@ def _key_counts(mask, batch_dims, q_len: int, kv_len: int):
     return jnp.asarray(counts[:, 0], jnp.int32)
 
 
-def _key_lengths(lengths, batch_dims, kv_len: int):
-    """``key_value_seq_lengths`` checked (int32 of the query's batch shape) and clipped
-    to [0, kv_len], or None."""
-    if lengths is None:
-        return None
-    lengths = jnp.asarray(lengths)
-    if lengths.dtype != np.int32 or lengths.shape != tuple(batch_dims):
-        raise ValueError(f"key_value_seq_lengths must be an int32 array of the batch shape "
-                         f"{tuple(batch_dims)}; got {lengths.dtype} of shape {lengths.shape}")
-    return jnp.clip(lengths, 0, kv_len)
-
-
 def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                   deterministic, dtype, is_causal, options):
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -100,7 +89,10 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
         return x.reshape(lead, *x.shape[-3:])
 
     causal = options.pop("causal", False) or bool(is_causal)
-    lengths = _key_lengths(options.pop("key_value_seq_lengths", None), batch_dims, kv_len)
+    lengths = options.pop("key_value_seq_lengths", None)
+    lengths = sequence_lengths("key_value_seq_lengths", lengths, batch_dims, "(batch...)")
+    if lengths is not None:
+        lengths = jnp.clip(lengths, 0, kv_len)
     if mask is not None and _is_causal_mask(mask, q_len, kv_len):
         causal, mask = True, None
     # (Counts move the causal/window diagonal and ALiBi's distances to n_b: not with those.)
@@ -111,6 +103,7 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
         jnp.arange(kv_len) < lengths.reshape(*batch_dims, 1, 1, 1)
     if padding is not None and not plain:  # (then the lengths reach the kernels as a bias)
         mask = padding if mask is None else jnp.asarray(mask, bool) & padding
+        padding = None  # (in the mask now)
     key_counts = _key_counts(mask, batch_dims, q_len, kv_len) if plain else None
     mask_in_counts = key_counts is not None
     if plain and lengths is not None:

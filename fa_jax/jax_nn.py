@@ -66,13 +66,14 @@ def _ensure_4d(x):
     return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
 
 
-def _lengths(name, lengths, batch):
+def sequence_lengths(name, lengths, batch_shape: tuple, layout: str = "(batch,)"):
+    """Per-entry lengths checked: None, or an int32 array of ``batch_shape``."""
     if lengths is None:
         return None
     lengths = jnp.asarray(lengths)
-    if lengths.dtype != np.int32 or lengths.shape != (batch,):
-        raise ValueError(f"{name} must be an int32 array of shape (batch,) = ({batch},); got "
-                         f"{lengths.dtype} of shape {lengths.shape}")
+    if lengths.dtype != np.int32 or lengths.shape != tuple(batch_shape):
+        raise ValueError(f"{name} must be an int32 array of shape {layout} = "
+                         f"{tuple(batch_shape)}; got {lengths.dtype} of shape {lengths.shape}")
     return lengths
 
 
@@ -100,8 +101,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if unbatched and (jnp.ndim(key) != 3 or jnp.ndim(value) != 3):
         raise ValueError("an unbatched query (T, N, H) needs unbatched key and value (S, K, H)")
     batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
-    q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch)
-    kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+    q_lengths = sequence_lengths("query_seq_lengths", query_seq_lengths, (batch,))
+    kv_lengths = sequence_lengths("key_value_seq_lengths", key_value_seq_lengths, (batch,))
     if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size,
                                                                             bool):
         local_window_size = (int(local_window_size), int(local_window_size))
