@@ -18,7 +18,7 @@ import torch
 from fa_kernels import plan as fa_plan
 
 from .kvcache import flash_attn_with_kvcache  # noqa: F401  (flash-attn's name, here too)
-from .ops import _attention, dropout_seed_tensor
+from .ops import _attention, dropout_seed_tensor, window_visible
 from .ops import dropout_mask as _dropout_mask
 
 
@@ -115,10 +115,7 @@ def _attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, se
     left, right = fa_plan.window_pair(window_size)
     right = 0 if causal else right
     visible = (rows < lengths_q[:, None, None, None]) & (cols < lengths_k[:, None, None, None])
-    if left >= 0:
-        visible = visible & (offset >= -left)
-    if right >= 0:
-        visible = visible & (offset <= right)
+    visible = visible & window_visible(offset, left, right)
     scores = scores.masked_fill(~visible, float("-inf"))
     width = _get_block_size_n(q.device, head_dim, True, causal)
     blocks = -(-seqlen_k // width)

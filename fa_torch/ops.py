@@ -500,6 +500,17 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                       deterministic=deterministic, seqused_k=seqused_k, block_table=block_table)
 
 
+def window_visible(offset: Tensor, left: int, right: int) -> Tensor:
+    """Where a key ``offset`` positions from its row's (bottom-right) diagonal lies inside
+    the window ``(left, right)`` (-1: that side unbounded; causal is ``right = 0``)."""
+    visible = torch.ones_like(offset, dtype=torch.bool)
+    if left >= 0:
+        visible = visible & (offset >= -left)
+    if right >= 0:
+        visible = visible & (offset <= right)
+    return visible
+
+
 def dropout_mask(dropout_seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                  dropout_p: float, device=None) -> Tensor:
     """The keep mask ``(batch, heads, seqlen_q, seqlen_k)`` bool that attention with this

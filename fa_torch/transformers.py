@@ -33,7 +33,7 @@ import itertools
 
 import torch
 
-from .ops import attention, attention_varlen
+from .ops import attention, attention_varlen, window_visible
 
 NAME = "fa_torch"
 
@@ -101,13 +101,8 @@ def _padded_attention(q, k, v, padding, causal: bool, sliding_window, options):
     starts, ends, contiguous = host[:batch], host[batch:2 * batch], bool(host[-1])
     if not contiguous:  # gaps: the exact mask, as a bias
         rows = torch.arange(q_len, device=padding.device)[:, None] + (kv_len - q_len)
-        visible = padding[:, None, None, :].expand(batch, 1, q_len, kv_len)
-        if causal:
-            visible = visible & (positions[None, :] <= rows)
-        if window[0] >= 0:
-            visible = visible & (positions[None, :] >= rows - window[0])
-        if window[1] >= 0:
-            visible = visible & (positions[None, :] <= rows + window[1])
+        band = window_visible(positions[None, :] - rows, window[0], 0 if causal else window[1])
+        visible = padding[:, None, None, :] & band
         return attention(q, k, v, bias=_bias(visible, q.dtype), **options)
     # Entry b's real tokens are keys starts[b]:ends[b] and, of the queries (positions
     # kv_len - q_len on), those up to ends[b]: packed, each is its own varlen sequence, and
