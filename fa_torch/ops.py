@@ -10,6 +10,8 @@ same bits, less host time per call.
 from __future__ import annotations
 
 import functools
+import inspect
+import typing
 from typing import Optional
 
 import numpy as np
@@ -112,86 +114,96 @@ def _bias_strides(bias: Optional[Tensor]):
     return (0,) * (4 - bias.dim()) + tuple(bias.stride())
 
 
-def _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
-                softcap, dropout_p, block_table=None) -> fa_plan.AttentionProblem:
-    """problem_of for the ops' flat arguments (the window as two ints)."""
-    return problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                      max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                      (window_left, window_right), softcap, dropout_p, block_table)
+# problem_of's parameters that an op's arguments give by name (the window comes as two ints).
+_PROBLEM_NAMES = tuple(n for n in inspect.signature(problem_of).parameters if n != "window_size")
+# The op arguments the kernels read a row at a time, and those they read as dense arrays.
+_ROWS = frozenset(("q", "k", "v", "bias", "out", "dout"))
+_DENSE = frozenset(("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table",
+                    "lse", "lse_lo"))
 
 
-def _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  block_table, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-                  window_right, softcap, dropout_p, problem=None):
-    """(out, lse, lse_lo): the forward launches (the body of the op below). ``problem``:
-    the call's validated problem when the caller has it already (the eager path)."""
-    q, k, v, bias = (_unit_last_stride(x) for x in (q, k, v, bias))
-    alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = map(
-        _dense, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
-    problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                     seqused_k, max_seqlen_q, max_seqlen_k, causal,
-                                     softmax_scale, window_left, window_right, softcap, dropout_p,
-                                     block_table)
+def _op_problem(named: dict) -> fa_plan.AttentionProblem:
+    """problem_of for an op's arguments by name."""
+    return problem_of(**{n: named[n] for n in _PROBLEM_NAMES if n in named},
+                      window_size=(named["window_left"], named["window_right"]))
+
+
+def _as_kernels_read(named: dict) -> dict:
+    """An op's arguments as the kernels take them: unit last stride where they read rows,
+    dense index arrays."""
+    return {n: _unit_last_stride(x) if n in _ROWS else _dense(x) if n in _DENSE else x
+            for n, x in named.items()}
+
+
+def _forward_impl(named: dict, problem=None):
+    """(out, lse, lse_lo): the forward launches for attention_forward's arguments by name.
+    ``problem``: the call's validated problem when the caller has it already (the eager
+    path)."""
+    arrays = _as_kernels_read(named)
+    problem = problem or _op_problem(arrays)
+    q = arrays["q"]
     fwd = fa_plan.forward_plan(problem, capability=_launch.capability(q.device),
-                               q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
-                               bias_strides=_bias_strides(bias), num_sms=_launch.num_sms(q.device))
-    arrays = {"q": q, "k": k, "v": v, "bias": bias, "slopes": alibi_slopes, "seed": seed,
-              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k,
-              "block_table": block_table}
+                               q_strides=q.stride(), k_strides=arrays["k"].stride(),
+                               v_strides=arrays["v"].stride(),
+                               bias_strides=_bias_strides(arrays["bias"]),
+                               num_sms=_launch.num_sms(q.device))
+    arrays["slopes"] = arrays["alibi_slopes"]  # (the kernels' name)
     for launch in fwd.launches:
         _launch.run(launch, arrays, q.device)
     return arrays["out"], arrays["lse"], arrays["lse_lo"]
 
 
 @torch.library.custom_op("fa_torch::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
-                      alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
-                      cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                      seqused_k: Optional[Tensor], block_table: Optional[Tensor],
-                      max_seqlen_q: int, max_seqlen_k: int,
-                      causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                      softcap: float, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float,
+                      bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                      seed: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+                      cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                      block_table: Optional[Tensor] = None, max_seqlen_q: int = 0,
+                      max_seqlen_k: int = 0, causal: bool = False, window_left: int = -1,
+                      window_right: int = -1, softcap: float = 0.0,
+                      dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, lse_lo); out like q, lse (B, Hq, Sq) fp32 ((Hq, total_q) for varlen);
     lse_lo, shaped like lse, is what the backward needs of the LSE beyond lse (with a
-    bias; kernels/fa_kernels/helpers.py: final_lse)."""
-    return _forward_impl(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
-                         seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal,
-                         softmax_scale, window_left, window_right, softcap, dropout_p)
+    bias; kernels/fa_kernels/helpers.py: final_lse). Call it by name: its arguments
+    are the table the autograd glue below reads."""
+    return _forward_impl(locals())
+
+
+_FORWARD = inspect.signature(attention_forward._init_fn)
+
+
+def _by_name(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """An op's arguments by name, defaults filled in (TypeError for an unknown name)."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
 
 @attention_forward.register_fake
-def _(q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-      max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-      dropout_p):
-    problem = _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-                          window_right, softcap, dropout_p, block_table)
+def _(*args, **kwargs):
+    problem = _op_problem(_by_name(_FORWARD, args, kwargs))
+    q = args[0] if args else kwargs["q"]
     return (q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32),
             q.new_empty(problem.lse_shape, dtype=torch.float32))
 
 
-def _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed, cu_seqlens_q,
-                   cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                   window_left, window_right, softcap, dropout_p, bias_grad, problem=None):
-    """(dq, dk, dv, dbias): the backward launches (the body of the op below)."""
-    q, k, v, out, dout, bias = (_unit_last_stride(x) for x in (q, k, v, out, dout, bias))
-    alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k = map(
-        _dense, (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k))
-    problem = problem or _op_problem(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                     seqused_k, max_seqlen_q, max_seqlen_k, causal,
-                                     softmax_scale, window_left, window_right, softcap, dropout_p)
+def _backward_impl(named: dict, problem=None):
+    """(dq, dk, dv, dbias): the backward launches for attention_backward's arguments by
+    name."""
+    arrays = _as_kernels_read(named)
+    problem = problem or _op_problem(arrays)
+    q, bias, dlse = arrays["q"], arrays["bias"], arrays["dlse"]
+    bias_grad = named["bias_grad"]
     bwd = fa_plan.backward_plan(problem, capability=_launch.capability(q.device),
-                                q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
-                                out_strides=out.stride(), dout_strides=dout.stride(),
+                                q_strides=q.stride(), k_strides=arrays["k"].stride(),
+                                v_strides=arrays["v"].stride(),
+                                out_strides=arrays["out"].stride(),
+                                dout_strides=arrays["dout"].stride(),
                                 bias_strides=_bias_strides(bias), bias_grad=bias_grad,
                                 has_dlse=dlse is not None)
     if dlse is not None:
-        dlse = dlse.to(torch.float32).contiguous()
-    arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse.contiguous(),
-              "lse_lo": lse_lo.contiguous(), "dlse": dlse, "bias": bias, "slopes": alibi_slopes,
-              "seed": seed, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-              "seqused_k": seqused_k}
+        arrays["dlse"] = dlse.to(torch.float32).contiguous()
+    arrays["slopes"] = arrays["alibi_slopes"]  # (the kernels' name)
     for launch in bwd.launches:
         _launch.run(launch, arrays, q.device)
     if bias_grad and bias is not None:
@@ -206,56 +218,55 @@ def _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, se
 
 @torch.library.custom_op("fa_torch::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       lse_lo: Tensor, dlse: Optional[Tensor], bias: Optional[Tensor],
-                       alibi_slopes: Optional[Tensor], seed: Optional[Tensor],
-                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                       seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                       causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                       softcap: float, dropout_p: float,
-                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty."""
-    return _backward_impl(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed,
-                          cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                          causal, softmax_scale, window_left, window_right, softcap, dropout_p,
-                          bias_grad)
+                       lse_lo: Tensor, softmax_scale: float, dlse: Optional[Tensor] = None,
+                       bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                       seed: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+                       cu_seqlens_k: Optional[Tensor] = None,
+                       seqused_k: Optional[Tensor] = None, max_seqlen_q: int = 0,
+                       max_seqlen_k: int = 0, causal: bool = False, window_left: int = -1,
+                       window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0,
+                       bias_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias); dbias is bias-shaped when ``bias_grad``, else empty. Without a
+    bias, ``lse_lo`` is not read (pass ``lse``)."""
+    return _backward_impl(locals())
+
+
+_BACKWARD = inspect.signature(attention_backward._init_fn)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, lse_lo, dlse, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k,
-      seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
-      softcap, dropout_p, bias_grad):
-    dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
+def _(*args, **kwargs):
+    named = _by_name(_BACKWARD, args, kwargs)
+    q, k, v, bias = (named[n] for n in ("q", "k", "v", "bias"))
+    dbias = torch.empty_like(bias) if named["bias_grad"] and bias is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
-# The forward op's arguments: these tensors, then the options.
-_TENSOR_NAMES = ("q", "k", "v", "bias", "alibi_slopes", "seed", "cu_seqlens_q", "cu_seqlens_k",
-                 "seqused_k", "block_table")
-_OPTION_NAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left",
-                 "window_right", "softcap", "dropout_p")
-_OPTION_DEFAULTS = dict(max_seqlen_q=0, max_seqlen_k=0, causal=False, window_left=-1,
-                        window_right=-1, softcap=0.0, dropout_p=0.0)
+def _is_tensor(annotation) -> bool:
+    return annotation in (Tensor, Optional[Tensor])
+
+
+_FORWARD_TYPES = typing.get_type_hints(attention_forward._init_fn)
+# The forward's options (not tensors) go to the backward as they came; its tensors that
+# the backward takes are saved for it.
+_OPTIONS = tuple(n for n in _FORWARD.parameters if not _is_tensor(_FORWARD_TYPES[n]))
+_SAVED = tuple(n for n in _FORWARD.parameters
+               if _is_tensor(_FORWARD_TYPES[n]) and n in _BACKWARD.parameters)
+_BIAS_INDEX = list(_FORWARD.parameters).index("bias")
 
 
 def forward_arguments(**named) -> tuple:
-    """attention_forward's positional arguments from their names: a tensor not named is
-    None, an option its default (``softmax_scale`` has none: pass it)."""
-    unknown = set(named) - set(_TENSOR_NAMES) - set(_OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"attention_forward takes no argument {sorted(unknown)}")
-    return (tuple(named.get(n) for n in _TENSOR_NAMES)
-            + tuple(named[n] if n in named else _OPTION_DEFAULTS[n] for n in _OPTION_NAMES))
+    """attention_forward's positional arguments from their names, defaults filled in."""
+    return tuple(_by_name(_FORWARD, (), named).values())
 
 
 def _setup_context(ctx, inputs, output):
-    tensors = inputs[:len(_TENSOR_NAMES)]
-    q, k, v, bias, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = tensors
+    named = dict(zip(_FORWARD.parameters, inputs))
     out, lse, lse_lo = output
-    ctx.save_for_backward(q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
-                          cu_seqlens_k, seqused_k)
-    ctx.paged = block_table is not None
+    ctx.save_for_backward(out, lse, lse_lo, *(named[n] for n in _SAVED))
+    ctx.options = {n: named[n] for n in _OPTIONS}
+    ctx.paged = named["block_table"] is not None
     ctx.mark_non_differentiable(lse_lo)
-    ctx.options = inputs[len(_TENSOR_NAMES):]
     # An unused output's gradient stays None, not a zero tensor to allocate and fill
     # (the LSE's, usually): the backward plan then skips reading it.
     ctx.set_materialize_grads(False)
@@ -263,20 +274,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_with(backward):
     def _backward(ctx, dout, dlse, _dlse_lo):
-        (q, k, v, out, lse, lse_lo, bias, alibi_slopes, seed, cu_seqlens_q,
-         cu_seqlens_k, seqused_k) = ctx.saved_tensors
+        out, lse, lse_lo, *saved = ctx.saved_tensors
+        inputs = dict(zip(_SAVED, saved))
         if ctx.paged:
             raise NotImplementedError("block_table (a paged K/V cache) is forward-only, as in "
                                       "flash-attn: no gradient flows through it")
         if dout is None:
             dout = torch.zeros_like(out)
-        bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = backward(ctx, dout, q, k, v, out, lse, lse_lo, dlse, bias,
-                                     alibi_slopes,
-                                     seed, cu_seqlens_q, cu_seqlens_k, seqused_k, *ctx.options,
-                                     bias_grad)
-        return ((dq, dk, dv, dbias if bias_grad else None)
-                + (None,) * (len(_TENSOR_NAMES) - 4 + len(_OPTION_NAMES)))
+        bias_grad = inputs["bias"] is not None and ctx.needs_input_grad[_BIAS_INDEX]
+        dq, dk, dv, dbias = backward(ctx, dout=dout, out=out, lse=lse, lse_lo=lse_lo,
+                                     dlse=dlse, bias_grad=bias_grad, **inputs, **ctx.options)
+        grads = dict(q=dq, k=dk, v=dv, bias=dbias if bias_grad else None)
+        return tuple(grads.get(n) for n in _FORWARD.parameters)
     return _backward
 
 
@@ -284,7 +293,7 @@ def _backward_with(backward):
 # calls the launches directly. One formula for both.
 torch.library.register_autograd(
     "fa_torch::attention_forward",
-    _backward_with(lambda ctx, *args: attention_backward(*args)),  # looked up per call
+    _backward_with(lambda ctx, **named: attention_backward(**named)),  # looked up per call
     setup_context=_setup_context)
 
 
@@ -296,7 +305,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         *inputs, problem = inputs  # the op's inputs, then the validated problem
-        output = _forward_impl(*inputs, problem=problem)
+        output = _forward_impl(dict(zip(_FORWARD.parameters, inputs)), problem=problem)
         _setup_context(ctx, inputs, output)
         ctx.problem = problem
         return output
@@ -307,7 +316,7 @@ class _EagerAttention(torch.autograd.Function):
 
 
 _eager_backward = _backward_with(
-    lambda ctx, *args: _backward_impl(*args, problem=ctx.problem))
+    lambda ctx, **named: _backward_impl(named, problem=ctx.problem))
 
 
 def _eager(tensors) -> bool:
@@ -320,17 +329,19 @@ def _eager(tensors) -> bool:
         return False
     if _get_current_dispatch_mode() is not None:
         return False
-    return all(x is None or type(x) is torch.Tensor for x in tensors)
+    return all(type(x) is torch.Tensor for x in tensors)
 
 
-def _call_forward(problem, *args):
-    """attention_forward(*args), by the eager path when it may (``problem``: the
+def _call_forward(problem, **named):
+    """attention_forward(**named), by the eager path when it may (``problem``: the
     arguments' validated problem, which the op would validate again)."""
-    if not _eager(args[:len(_TENSOR_NAMES)]):
+    args = forward_arguments(**named)
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    if not _eager(tensors):
         return attention_forward(*args)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:5]):
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return _EagerAttention.apply(*args, problem)
-    return _forward_impl(*args, problem=problem)
+    return _forward_impl(dict(zip(_FORWARD.parameters, args)), problem=problem)
 
 
 def check_dropout_seed(dropout_seed):
@@ -375,7 +386,7 @@ def dropout_seed_tensor(dropout_seed, device: torch.device) -> Tensor:
     return torch.cat([halves.cpu(), offsets]).to(torch.int32).to(device)
 
 
-def _autocast(q, k, v):
+def autocast_inputs(q, k, v):
     """Under torch.autocast, q, k, v meet the kernels in the autocast dtype (the user's
     choice, bf16 or fp16); bias, slopes and the LSE keep their dtypes."""
     if not isinstance(q, torch.Tensor) or q.device.type not in ("cuda", "cpu"):
@@ -394,7 +405,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     fa_plan.check_bool("deterministic", deterministic)  # (the backward is deterministic anyway)
     return_lse = fa_plan.check_bool("return_lse", return_lse)
     check_dropout_seed(dropout_seed)
-    q, k, v = _autocast(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     problem = problem_of(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k,
                          max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
                          dropout_p, block_table)
@@ -414,13 +425,13 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         fa_plan.check_block_table(block_table.tolist(), problem.num_pages)
     seed = dropout_seed_tensor(dropout_seed, q.device) if problem.dropout_p > 0 else None
     p = problem
-    out, lse, _ = _call_forward(p, *forward_arguments(
-        q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, seed=seed,
+    out, lse, _ = _call_forward(
+        p, q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, seed=seed,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
         block_table=block_table, max_seqlen_q=p.seqlen_q if p.varlen else 0,
         max_seqlen_k=p.seqlen_k if p.varlen else 0, causal=p.causal,
         softmax_scale=p.softmax_scale, window_left=p.window_left,
-        window_right=p.window_right, softcap=p.softcap, dropout_p=p.dropout_p))
+        window_right=p.window_right, softcap=p.softcap, dropout_p=p.dropout_p)
     return (out, lse) if return_lse else out
 
 

@@ -96,16 +96,14 @@ class _Ring:
 
 
 def _attend(q, k, v, causal, scale):
-    out, lse, _ = ops.attention_forward(*ops.forward_arguments(q=q, k=k, v=v, causal=causal,
-                                                               softmax_scale=scale))
+    out, lse, _ = ops.attention_forward(q, k, v, softmax_scale=scale, causal=causal)
     return out.float(), lse
 
 
 def _grads(q, k, v, out, lse, dout, causal, scale):
     # No bias here: the kernels read no lse_lo (fa_kernels.helpers.final_lse).
-    dq, dk, dv, _ = ops.attention_backward(dout, q, k, v, out, lse, lse, None, None, None, None,
-                                           None, None, None, 0, 0, causal, scale, -1, -1, 0.0,
-                                           0.0, False)
+    dq, dk, dv, _ = ops.attention_backward(dout, q, k, v, out, lse, lse_lo=lse,
+                                           softmax_scale=scale, causal=causal)
     return dq.float(), dk.float(), dv.float()
 
 
