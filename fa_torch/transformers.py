@@ -33,7 +33,7 @@ import itertools
 
 import torch
 
-from .ops import attention, attention_varlen, window_visible
+from .ops import attention, attention_varlen, autocast_inputs, window_visible
 
 NAME = "fa_torch"
 
@@ -54,7 +54,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     options = dict(softmax_scale=scaling, softcap=float(softcap or 0.0),
                    dropout_p=float(dropout or 0.0))
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    # In the kernels' dtype from here on (under autocast Llama's rotary hands over fp32 q
+    # and k beside a bf16 v): every path then returns that dtype.
+    q, k, v = autocast_inputs(query.transpose(1, 2), key.transpose(1, 2),
+                              value.transpose(1, 2))
     if attention_mask is not None and attention_mask.ndim == 2:  # our mask function's
         return _padded_attention(q, k, v, attention_mask.bool(), bool(causal), sliding_window,
                                  options), None

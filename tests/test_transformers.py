@@ -98,6 +98,35 @@ def test_padding_reaches_the_kernels_as_lengths():
     assert other.shape == (2, 1, 12, 12)
 
 
+@pytest.mark.parametrize("padding", ["none", "left", "gap"])
+def test_autocast_inputs_of_mixed_dtypes(padding):
+    # Under bf16 autocast Llama's rotary hands the attention fp32 q and k beside a bf16 v:
+    # every path (causal flag, packed varlen, exact bias) runs in bf16 and returns bf16.
+    _, mask = _batch(padding)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, heads, 12, 16, generator=gen).to(DEVICE)
+               for heads in (4, 2, 2))
+    v = v.bfloat16()
+    module = torch.nn.Module()
+    module.is_causal = True
+    interface = transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["fa_torch"]
+    from transformers.masking_utils import causal_mask_function
+    attention_mask = interface(batch_size=2, q_length=12, kv_length=12,
+                               attention_mask=mask.bool(), device=DEVICE,
+                               mask_function=causal_mask_function)
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        out, weights = fa_transformers.attention_forward(module, q, k, v, attention_mask,
+                                                         scaling=0.25)
+    assert weights is None and out.dtype == torch.bfloat16 and out.shape == (2, 12, 4, 16)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.bfloat16().float(), k.bfloat16().float().repeat_interleave(2, 1),
+        v.float().repeat_interleave(2, 1), scale=0.25,
+        attn_mask=torch.ones(12, 12, dtype=torch.bool, device=DEVICE).tril()
+        & mask.bool()[:, None, None, :]).transpose(1, 2)
+    real = mask.bool()
+    torch.testing.assert_close(out.float()[real], reference[real], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
 def test_greedy_generation_matches(name):
     ids, mask = _batch("left")
