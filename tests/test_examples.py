@@ -1,5 +1,6 @@
-"""The language-model examples: our attention trains like each framework's own, and the
-same weights give the same logits in torch and Flax."""
+"""The language-model examples: our attention trains like each framework's own (also a
+transformers Llama on left-padded batches), and the same weights give the same logits in
+torch and Flax."""
 import importlib
 import pathlib
 import sys
@@ -22,8 +23,10 @@ def short(config, steps=6):
     return type(config)(**{**config.__dict__, "steps": steps})
 
 
-@pytest.mark.parametrize("example", ["torch_lm", "flax_lm"])
+@pytest.mark.parametrize("example", ["torch_lm", "flax_lm", "transformers_lm"])
 def test_ours_trains_like_native(example):
+    if example == "transformers_lm":
+        pytest.importorskip("transformers")
     module = load(example)
     common = load("lm_common")
     config = short(common.SIZES["tiny"])
