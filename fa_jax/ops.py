@@ -138,10 +138,9 @@ BACKWARD_NAMES = ARRAY_NAMES + ("out", "lse", "lse_lo", "dout", "dlse")
 OPERANDS = {"forward": ARRAY_NAMES, "backward": BACKWARD_NAMES}
 
 
-def _kernel_body(kind: str, whole: fa_plan.AttentionProblem):
+def _kernel_body(kind: str, whole: fa_plan.AttentionProblem, bias_grad: bool):
     """The op on arrays of any size (the whole problem, or one shard of it)."""
     names = OPERANDS[kind]
-    has_bias = whole.bias_shape is not None
 
     def body(*args):
         arrays = dict(zip(names, args))
@@ -155,19 +154,20 @@ def _kernel_body(kind: str, whole: fa_plan.AttentionProblem):
                 _launch.run(launch, arrays)
             return tuple(arrays[name] for name in FORWARD_OUTPUTS)
         bwd = fa_plan.backward_plan(problem, capability=_launch.capability(),
-                                    bias_grad=has_bias, **_launch.plan_options())
+                                    bias_grad=bias_grad, **_launch.plan_options())
         arrays["dout"] = arrays["dout"].astype(arrays["out"].dtype)
         arrays["dlse"] = arrays["dlse"].astype(jnp.float32)
         for launch in bwd.launches:
             _launch.run(launch, arrays)
         grads = (arrays["dq"], arrays["dk"], arrays["dv"])
-        return grads + ((arrays["dbias"],) if has_bias else ())
+        return grads + ((arrays["dbias"],) if bias_grad else ())
 
     return body
 
 
 @functools.lru_cache(maxsize=1024)
-def _partitioned_op(kind: str, whole: fa_plan.AttentionProblem, signature: tuple):
+def _partitioned_op(kind: str, whole: fa_plan.AttentionProblem, signature: tuple,
+                    bias_grad: bool):
     """The kernel op of one kind, problem and operand signature, as a custom_partitioning
     function (cached: jax re-traces a new one on every eager call)."""
     names = OPERANDS[kind]
@@ -179,29 +179,29 @@ def _partitioned_op(kind: str, whole: fa_plan.AttentionProblem, signature: tuple
         out_names = FORWARD_OUTPUTS
         out_shapes = [problem.out_shape, problem.lse_shape, problem.lse_shape]
     else:
-        out_names = ("dq", "dk", "dv") + (("dbias",) if problem.bias_shape is not None else ())
+        out_names = ("dq", "dk", "dv") + (("dbias",) if bias_grad else ())
         out_shapes = [problem.q_shape, problem.kv_shape, problem.kv_shape, problem.dbias_shape]
-    return _sharding.partitioned(_kernel_body(kind, whole), in_names, shapes, out_names,
+    return _sharding.partitioned(_kernel_body(kind, whole, bias_grad), in_names, shapes, out_names,
                                  out_shapes[:len(out_names)], problem)
 
 
-def _call_op(kind: str, whole: fa_plan.AttentionProblem, args):
+def _call_op(kind: str, whole: fa_plan.AttentionProblem, args, bias_grad: bool):
     extras = ()
     if whole.dropout_p > 0:
         extras = _sharding.global_index_operands(_at(whole, dict(zip(OPERANDS[kind], args))))
     operands = (*args, *extras)
     signature = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in operands)
-    return tuple(_partitioned_op(kind, whole, signature)(*operands))
+    return tuple(_partitioned_op(kind, whole, signature, bias_grad)(*operands))
 
 
 @functools.lru_cache(maxsize=2048)
-def _op(kind: str, problem: fa_plan.AttentionProblem):
+def _op(kind: str, problem: fa_plan.AttentionProblem, bias_grad: bool = False):
     """The forward or backward of one problem as a function of its arrays (OPERANDS[kind]),
-    with its own vmap rule."""
+    with its own vmap rule; the backward gives the bias's gradient when ``bias_grad``."""
 
     @jax.custom_batching.custom_vmap
     def op(*args):
-        return _call_op(kind, problem, args)
+        return _call_op(kind, problem, args, bias_grad)
 
     op.def_vmap(_batch_rule(op, _kinds(OPERANDS[kind], problem), problem))
     return op
@@ -212,15 +212,18 @@ def forward_op(problem: fa_plan.AttentionProblem):
     return _op("forward", problem)
 
 
-def backward_op(problem: fa_plan.AttentionProblem):
-    """(... the forward's arrays, out, lse, lse_lo, dout, dlse) -> (dq, dk, dv[, dense dbias])."""
-    return _op("backward", problem)
+def backward_op(problem: fa_plan.AttentionProblem, bias_grad: bool | None = None):
+    """(... the forward's arrays, out, lse, lse_lo, dout, dlse) -> (dq, dk, dv[, dense
+    dbias]); dbias when ``bias_grad`` (by default: when the problem has a bias)."""
+    if bias_grad is None:
+        bias_grad = problem.bias_shape is not None
+    return _op("backward", problem, bool(bias_grad))
 
 
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        return np.zeros(x.shape, dtype=jax.dtypes.float0)
-    return jnp.zeros_like(x)
+def _materialized(cotangent, like):
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros(like.shape, like.dtype)
+    return cotangent
 
 
 @functools.lru_cache(maxsize=1024)
@@ -229,23 +232,29 @@ def _differentiable(problem: fa_plan.AttentionProblem):
     def attend(*args):
         return forward_op(problem)(*args)[:2]
 
-    def attend_fwd(*args):
+    # Symbolic zeros tell the forward which inputs are differentiated: a bias that is not
+    # (a mask made into a bias, a constant) costs no dense (B, Hq, Sq, Sk) gradient buffer,
+    # as in fa_torch, where the bias's requires_grad decides.
+    def attend_fwd(*primals):
+        args = tuple(p.value for p in primals)
         out, lse, lse_lo = forward_op(problem)(*args)
-        return (out, lse), (args, out, lse, lse_lo)
+        bias_grad = problem.bias_shape is not None and primals[3].perturbed
+        # (A static flag, carried as the residuals' structure: () for yes, None for no.)
+        return (out, lse), (args, out, lse, lse_lo, () if bias_grad else None)
 
     def attend_bwd(residuals, cotangents):
-        args, out, lse, lse_lo = residuals
-        dout, dlse = cotangents
-        grads = backward_op(problem)(*args, out, lse, lse_lo, dout, dlse)
-        dq, dk, dv = grads[:3]
-        cotangent = [dq, dk, dv] + [_zero_cotangent(x) for x in args[3:]]
-        if problem.bias_shape is not None:
+        args, out, lse, lse_lo, bias_grad = residuals
+        bias_grad = bias_grad is not None
+        dout, dlse = (_materialized(c, x) for c, x in zip(cotangents, (out, lse)))
+        grads = backward_op(problem, bias_grad)(*args, out, lse, lse_lo, dout, dlse)
+        cotangent = [*grads[:3]] + [None] * len(args[3:])  # (None: a zero cotangent)
+        if bias_grad:
             bias = args[3]
             dbias = jnp.sum(grads[3], axis=problem.bias_reduce_axes, keepdims=True)
             cotangent[3] = dbias.reshape(bias.shape).astype(bias.dtype)
         return tuple(cotangent)
 
-    attend.defvjp(attend_fwd, attend_bwd)
+    attend.defvjp(attend_fwd, attend_bwd, symbolic_zeros=True)
     return attend
 
 

@@ -115,3 +115,41 @@ def test_vmap_with_bias_slopes_and_seeds():
     drop = jax.vmap(lambda s: fa_jax.attention(q, k, v, dropout_p=0.5, dropout_seed=s))(seeds)
     np.testing.assert_array_equal(drop[2], fa_jax.attention(q, k, v, dropout_p=0.5,
                                                             dropout_seed=jnp.uint32(2)))
+
+
+def _avals(jaxpr):
+    """Every value's (shape, dtype) in a jaxpr, nested ones included."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield tuple(var.aval.shape), jnp.dtype(var.aval.dtype)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _avals(inner)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 33, 40), (1, 1, 33, 40)])
+def test_bias_gradient_only_where_the_bias_is_differentiated(bias_shape):
+    # A bias that is not differentiated (a mask made into a bias, a constant) costs no
+    # dense fp32 (B, Hq, Sq, Sk) gradient, as in fa_torch; the other gradients are the
+    # same bits either way, and the bias's own is there when asked for.
+    q, k, v = qkv()
+    bias = jax.random.normal(jax.random.PRNGKey(3), bias_shape).astype(jnp.float16)
+
+    def f(q, k, v, bias):
+        return jnp.sum(fa_jax.attention(q, k, v, bias=bias, causal=True) ** 2)
+
+    dense = ((2, 4, 33, 40), jnp.dtype(jnp.float32))
+    without = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v, bias)
+    assert dense not in set(_avals(without.jaxpr))
+    with_bias = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    assert dense in set(_avals(with_bias.jaxpr))
+    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v, bias)
+    *all_grads, dbias = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    for g, h in zip(grads, all_grads):
+        np.testing.assert_array_equal(g, h)
+    assert dbias.shape == bias_shape and dbias.dtype == jnp.float16
+    assert float(jnp.abs(dbias.astype(jnp.float32)).sum()) > 0
+    # Through stop_gradient too: no dense gradient.
+    held = jax.make_jaxpr(jax.grad(lambda q: f(q, k, v, jax.lax.stop_gradient(bias))))(q)
+    assert dense not in set(_avals(held.jaxpr))
