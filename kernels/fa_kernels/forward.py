@@ -165,30 +165,23 @@ def attention_forward(
                                 BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
         v_source = block_source(v_base, VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM,
                                 BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
-            stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
-            seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
-            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, HOST_TMA, FOLD_SCALE, PAGED_KV, WHOLE_PAGES)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
-            stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
-            seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, False,
-            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, HOST_TMA, FOLD_SCALE, PAGED_KV, WHOLE_PAGES)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
-            stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
-            seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, True,
-            LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-            USE_TMA, HOST_TMA, FOLD_SCALE, PAGED_KV, WHOLE_PAGES)
+    # The key blocks in three runs: masked ones where the first rows' diagonal or window
+    # edge cuts them, unmasked ones in the middle, masked ones again at the far edge.
+    for run in tl.static_range(3):
+        if run == 0:
+            first, last = lo, full_lo
+        elif run == 1:
+            first, last = full_lo, full_hi
+        else:
+            first, last = full_hi, hi
+        for start_n in range(first, last, BLOCK_N):
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
+                stride_kn, stride_vn, stride_bm, stride_bn, seqlen_q, seqlen_k,
+                qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
+                seed_lo, seed_hi, dropout_p, mask_batch, mask_head, HEAD_DIM, BLOCK_D, run != 1,
+                LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT,
+                DOT_PRECISION, USE_TMA, HOST_TMA, FOLD_SCALE, PAGED_KV, WHOLE_PAGES)
 
     # A row that saw no key (l == 0) gets output 0 and LSE -inf, never 0/0; a NaN in
     # its inputs stays NaN in both.
