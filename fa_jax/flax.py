@@ -19,7 +19,9 @@ Linen passes only the arguments an attention_fn declares, so every one is declar
   Under jit a mask is a tracer and cannot be inspected: it becomes a 0 / -inf bias; say
   ``make_attention_fn(causal=True)`` for the fast causal path, and pass key padding as
   lengths, ``make_attention_fn(key_value_seq_lengths=lengths)`` (traced arrays welcome),
-  which become ``seqused_k`` as a concrete padding mask does.
+  which become ``seqused_k`` as a concrete padding mask does. Per call (nnx, or a linen
+  module made once), pass ``mask=key_padding(lengths)``: the module hands it to the
+  attention_fn as it is, and it means the same lengths.
 * ``dropout_rng`` seeds our dropout (the mask is drawn per batch entry and head;
   ``broadcast_dropout`` is accepted, the mask is not broadcast over batch dims).
 * ``dtype`` casts q, k, v for the computation; the softmax is always in fp32
@@ -36,6 +38,35 @@ import numpy as np
 from .jax_nn import (no_visible_key, sequence_lengths, uniform_where_fully_masked,
                      window_mask)
 from .ops import attention
+
+
+@jax.tree_util.register_pytree_node_class
+class KeyPadding:
+    """A key padding mask as per-entry lengths: entry b's keys are its first
+    ``lengths[b]`` (int32 of the batch shape; traced is fine), for every query.
+    ``mask=key_padding(lengths)`` to a Flax attention module whose attention_fn is ours
+    (not with ``decode=True``, whose cache mask Flax combines with the given one).
+    A pytree: it crosses jit and vmap boundaries as its lengths."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def tree_flatten(self):
+        return (self.lengths,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __repr__(self):
+        return f"KeyPadding(lengths={self.lengths!r})"
+
+
+def key_padding(lengths) -> KeyPadding:
+    """``mask=key_padding(lengths)``: what ``nn.make_attention_mask(ones,
+    arange(kv_len) < lengths[..., None])`` means, as lengths (the kernels' ``seqused_k``,
+    no dense mask or bias)."""
+    return KeyPadding(lengths)
 
 
 def _is_causal_mask(mask, q_len: int, kv_len: int) -> bool:
@@ -91,6 +122,11 @@ def _attention_fn(query, key, value, bias, mask, broadcast_dropout, dropout_rng,
     causal = options.pop("causal", False) or bool(is_causal)
     lengths = options.pop("key_value_seq_lengths", None)
     lengths = sequence_lengths("key_value_seq_lengths", lengths, batch_dims, "(batch...)")
+    if isinstance(mask, KeyPadding):  # (the same lengths, given per call)
+        given = sequence_lengths("key_padding(lengths)", mask.lengths, batch_dims,
+                                 "(batch...)")
+        lengths = given if lengths is None else jnp.minimum(lengths, given)
+        mask = None
     if lengths is not None:
         lengths = jnp.clip(lengths, 0, kv_len)
     if mask is not None and _is_causal_mask(mask, q_len, kv_len):

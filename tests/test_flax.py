@@ -182,3 +182,50 @@ def test_inside_nnx_multi_head_attention(causal):
     mask = nnx.make_causal_mask(jnp.ones((2, 18))) if causal else None
     got = ours(x, is_causal=causal) if causal else ours(x)
     np.testing.assert_allclose(got, theirs(x, mask=mask), atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_per_call_in_nnx(causal):
+    # nnx (and a linen module made once) take per-call lengths as the mask,
+    # mask=key_padding(lengths): under jit, outputs and gradients equal Flax's with the
+    # padding mask, and without causality no (Sq, Sk) array is built.
+    from flax import nnx
+
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, 18, 32))
+    lengths = jnp.array([18, 5], jnp.int32)
+    kwargs = dict(num_heads=4, in_features=32, decode=False)
+    ours = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0), attention_fn=fa_flax.attention_fn)
+    theirs = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))  # the same weights
+
+    @nnx.jit
+    def our_loss(model, x, lengths):
+        out = model(x, mask=fa_flax.key_padding(lengths), is_causal=causal)
+        return jnp.sum(out[0] ** 2) + jnp.sum(out[1, :5] ** 2)
+
+    @nnx.jit
+    def their_loss(model, x, lengths):
+        mask = nnx.make_attention_mask(jnp.ones((2, 18)), jnp.arange(18)[None] < lengths[:, None])
+        if causal:
+            mask = nnx.combine_masks(mask, nnx.make_causal_mask(jnp.ones((2, 18))))
+        out = model(x, mask=mask)
+        return jnp.sum(out[0] ** 2) + jnp.sum(out[1, :5] ** 2)
+
+    value, grads = nnx.value_and_grad(our_loss)(ours, x, lengths)
+    want, want_grads = nnx.value_and_grad(their_loss)(theirs, x, lengths)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4),
+                 nnx.state(grads), nnx.state(want_grads))
+    if not causal:
+        jaxpr = jax.make_jaxpr(lambda x, n: ours(x, mask=fa_flax.key_padding(n)))(x, lengths)
+        shapes = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars]
+        assert not any(shape[-2:] == (18, 18) for shape in shapes), shapes
+
+
+def test_key_padding_is_checked_and_meets_the_other_lengths():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match=r"key_padding\(lengths\) must be an int32 array"):
+        fa_flax.attention_fn(q, k, v, mask=fa_flax.key_padding(jnp.array([3.0, 4.0])))
+    both = fa_flax.make_attention_fn(key_value_seq_lengths=jnp.array([20, 9], jnp.int32))(
+        q, k, v, mask=fa_flax.key_padding(jnp.array([7, 24], jnp.int32)))
+    want = fa_flax.make_attention_fn(key_value_seq_lengths=jnp.array([7, 9], jnp.int32))(q, k, v)
+    np.testing.assert_array_equal(both, want)
