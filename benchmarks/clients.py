@@ -170,6 +170,18 @@ class Emitter:
 # ---------------------------------------------------------------------------------- JAX
 
 
+CPU_REMARK = " (Triton's interpreter on the CPU: not a measurement)"
+
+
+def no_gpu_rows(emit: Emitter, row, keys, on_gpu: bool, quick: bool) -> bool:
+    """Without a GPU the full sizes are not run: a row saying so for each case (True)."""
+    if on_gpu or quick:
+        return False
+    for key in keys:
+        emit.row(row(key, error="no GPU: the full sizes need one (--quick on the CPU)"))
+    return True
+
+
 def jax_section(quick: bool, emit: Emitter):
     setup = jax_setup(quick)
     cases = {key: (path, label) for key, path, label in JAX_CASES}
@@ -204,11 +216,8 @@ def jax_section(quick: bool, emit: Emitter):
                       f"D={head_dim}, {setup['dtype']}, key lengths "
                       f"{list(setup['lengths'])}; ms: median of {setup['runs']} calls "
                       f"after {setup['warmup']} warm-ups"
-                      + ("" if on_gpu else " (Triton's interpreter on the CPU: not a "
-                                           "measurement)"))
-    if not on_gpu and not quick:
-        for key in JAX_ORDER:
-            emit.row(row(key, error="no GPU: the full sizes need one (--quick on the CPU)"))
+                      + CPU_REMARK * (not on_gpu))
+    if no_gpu_rows(emit, row, JAX_ORDER, on_gpu, quick):
         return
 
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -320,11 +329,8 @@ def torch_section(quick: bool, emit: Emitter):
                         f"{m['vocab_size']}, {setup['dtype']} weights; B={batch}, "
                         f"S={seqlen}, left padding {list(padding)}; ms: median of "
                         f"{setup['runs']} steps after {setup['warmup']} warm-ups"
-                        + ("" if on_gpu else " (Triton's interpreter on the CPU: not a "
-                                             "measurement)"))
-    if not on_gpu and not quick:
-        for key in TORCH_ORDER:
-            emit.row(row(key, error="no GPU: the full sizes need one (--quick on the CPU)"))
+                        + CPU_REMARK * (not on_gpu))
+    if no_gpu_rows(emit, row, TORCH_ORDER, on_gpu, quick):
         return
 
     def sync():

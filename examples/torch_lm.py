@@ -77,18 +77,16 @@ class LanguageModel(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def make_step(model: LanguageModel, device: torch.device):
-    """(optimizer, step(inputs, targets, lr) -> loss): one AdamW training step."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=model.config.lr, betas=(0.9, 0.95),
+def adamw_step(model: nn.Module, lr: float, loss_of):
+    """(optimizer, step(batch, lr) -> loss): one AdamW training step on ``loss_of(batch)``
+    (gradients clipped to norm 1); examples/transformers_lm.py trains with it too."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
-    def step(inputs, targets, lr):
+    def step(batch, lr):
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with autocast:
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1).long())
+        loss = loss_of(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -96,6 +94,20 @@ def make_step(model: LanguageModel, device: torch.device):
         return loss
 
     return optimizer, step
+
+
+def make_step(model: LanguageModel, device: torch.device):
+    """(optimizer, step(inputs, targets, lr) -> loss): one AdamW training step."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def loss_of(batch):
+        inputs, targets = batch
+        with autocast:
+            logits = model(inputs)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1).long())
+
+    optimizer, step = adamw_step(model, model.config.lr, loss_of)
+    return optimizer, lambda inputs, targets, lr: step((inputs, targets), lr)
 
 
 @torch.no_grad()

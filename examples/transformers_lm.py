@@ -35,6 +35,7 @@ import fa_torch.transformers  # noqa: E402
 from fa_kernels import runtime  # noqa: E402
 from lm_common import (VOCAB, LMConfig, batches, command_line, learning_rate,  # noqa: E402
                        load_text, progress, report)
+from torch_lm import adamw_step  # noqa: E402
 
 PAD = 0  # byte 0 never occurs in the text
 IGNORE = -100  # labels the loss skips (torch's and transformers' ignore_index)
@@ -86,21 +87,8 @@ def loss_of(model, batch, device):
 
 
 def make_step(model, config: LMConfig, device: torch.device):
-    """(optimizer, step(batch, lr) -> loss): one AdamW training step."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
-
-    def step(batch, lr):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = loss_of(model, batch, device)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return loss
-
-    return optimizer, step
+    """(optimizer, step(batch, lr) -> loss): one AdamW training step, as torch_lm's."""
+    return adamw_step(model, config.lr, lambda batch: loss_of(model, batch, device))
 
 
 @torch.no_grad()
