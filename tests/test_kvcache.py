@@ -2,6 +2,8 @@
 written into the cache at cache_seqlens, rotary on q and the new k, attention over each
 entry's filled rows; against a reference built from flash-attn's documented semantics
 (rotary through complex numbers, the attention per entry in float64)."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -212,6 +214,15 @@ def test_kvcache_jitted_with_donated_caches_and_traced_lengths():
                                           cache_seqlens=np.array([3, 23], np.int32), causal=True)
     lowered = step.lower(q, k_cache, v_cache, k, v, jnp.asarray([3, 23], jnp.int32))
     assert "tf.aliasing_output" in lowered.as_text()  # the caches are updated in place
+    # ...and compiled so: both cache outputs alias their inputs, and no instruction copies a
+    # cache (XLA inserts one where it cannot update in place).
+    compiled = lowered.compile().as_text()
+    aliases = re.search(r"input_output_alias=\{([^\n]*)\}", compiled)
+    assert aliases and "{1}: (1," in aliases.group(1) and "{2}: (2," in aliases.group(1)
+    cache = "f32[2,24,2,32]"
+    copies = [line for line in compiled.splitlines()
+              if re.search(r"= " + re.escape(cache) + r"\S* copy(-start)?\(", line)]
+    assert not copies, copies
     out = step(q, jnp.array(k_cache), jnp.array(v_cache), k, v, jnp.asarray([3, 23], jnp.int32))
     for a, b in zip(out, eager):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
