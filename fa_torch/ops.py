@@ -181,8 +181,8 @@ def _by_name(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
 
 @attention_forward.register_fake
 def _(*args, **kwargs):
-    problem = _op_problem(_by_name(_FORWARD, args, kwargs))
-    q = args[0] if args else kwargs["q"]
+    named = _by_name(_FORWARD, args, kwargs)
+    problem, q = _op_problem(named), named["q"]
     return (q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32),
             q.new_empty(problem.lse_shape, dtype=torch.float32))
 
@@ -253,8 +253,6 @@ _OPTIONS = tuple(n for n in _FORWARD.parameters if not _is_tensor(_FORWARD_TYPES
 _SAVED = tuple(n for n in _FORWARD.parameters
                if _is_tensor(_FORWARD_TYPES[n]) and n in _BACKWARD.parameters)
 _BIAS_INDEX = list(_FORWARD.parameters).index("bias")
-
-
 _FORWARD_DEFAULTS = tuple((n, p.default) for n, p in _FORWARD.parameters.items())
 
 
@@ -270,7 +268,10 @@ def forward_arguments(**named) -> tuple:
 
 
 def _setup_context(ctx, inputs, output):
-    named = dict(zip(_FORWARD.parameters, inputs))
+    _save_for_backward(ctx, dict(zip(_FORWARD.parameters, inputs)), output)
+
+
+def _save_for_backward(ctx, named: dict, output):
     out, lse, lse_lo = output
     ctx.save_for_backward(out, lse, lse_lo, *(named[n] for n in _SAVED))
     ctx.options = {n: named[n] for n in _OPTIONS}
@@ -314,8 +315,9 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         *inputs, problem = inputs  # the op's inputs, then the validated problem
-        output = _forward_impl(dict(zip(_FORWARD.parameters, inputs)), problem=problem)
-        _setup_context(ctx, inputs, output)
+        named = dict(zip(_FORWARD.parameters, inputs))
+        output = _forward_impl(named, problem=problem)
+        _save_for_backward(ctx, named, output)
         ctx.problem = problem
         return output
 
