@@ -21,6 +21,19 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 2e-5}
 
 
+def jaxpr_avals(jaxpr):
+    """Every value a jaxpr computes, nested jaxprs' included, as (shape, dtype name):
+    what a test reads to show an array is never built."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # (a ClosedJaxpr)
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield tuple(var.aval.shape), np.dtype(var.aval.dtype).name
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from jaxpr_avals(inner)
+
+
 def clear_plans():
     """Drop the cached plans (made from the tables as they were)."""
     fa_plan.forward_plan.cache_clear()

@@ -7,6 +7,8 @@ import pytest
 
 import fa_jax.flax as fa_flax
 
+from .common import jaxpr_avals
+
 
 @pytest.fixture(autouse=True)
 def true_fp32_matmuls():
@@ -99,7 +101,7 @@ def test_key_lengths_under_jit(options, with_mask):
     if not options and extra is None:
         fn = fa_flax.make_attention_fn(key_value_seq_lengths=lengths)
         jaxpr = jax.make_jaxpr(lambda q, k, v: fn(q, k, v))(q, k, v)
-        shapes = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars]
+        shapes = [shape for shape, _ in jaxpr_avals(jaxpr)]
         assert shapes and not any(shape[-2:] == (24, 24) for shape in shapes), shapes
 
 
@@ -217,7 +219,7 @@ def test_key_padding_per_call_in_nnx(causal):
                  nnx.state(grads), nnx.state(want_grads))
     if not causal:
         jaxpr = jax.make_jaxpr(lambda x, n: ours(x, mask=fa_flax.key_padding(n)))(x, lengths)
-        shapes = [tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars]
+        shapes = [shape for shape, _ in jaxpr_avals(jaxpr)]
         assert not any(shape[-2:] == (18, 18) for shape in shapes), shapes
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import fa_jax
 
-from .common import random_qkv, to_numpy
+from .common import jaxpr_avals, random_qkv, to_numpy
 
 
 def qkv(shape=(2, 33, 40, 4, 2, 32), dtype="float32", seed=0):
@@ -117,17 +117,6 @@ def test_vmap_with_bias_slopes_and_seeds():
                                                             dropout_seed=jnp.uint32(2)))
 
 
-def _avals(jaxpr):
-    """Every value's (shape, dtype) in a jaxpr, nested ones included."""
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            yield tuple(var.aval.shape), jnp.dtype(var.aval.dtype)
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _avals(inner)
-
-
 @pytest.mark.parametrize("bias_shape", [(2, 4, 33, 40), (1, 1, 33, 40)])
 def test_bias_gradient_only_where_the_bias_is_differentiated(bias_shape):
     # A bias that is not differentiated (a mask made into a bias, a constant) costs no
@@ -139,11 +128,11 @@ def test_bias_gradient_only_where_the_bias_is_differentiated(bias_shape):
     def f(q, k, v, bias):
         return jnp.sum(fa_jax.attention(q, k, v, bias=bias, causal=True) ** 2)
 
-    dense = ((2, 4, 33, 40), jnp.dtype(jnp.float32))
+    dense = ((2, 4, 33, 40), "float32")
     without = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v, bias)
-    assert dense not in set(_avals(without.jaxpr))
+    assert dense not in set(jaxpr_avals(without))
     with_bias = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, bias)
-    assert dense in set(_avals(with_bias.jaxpr))
+    assert dense in set(jaxpr_avals(with_bias))
     grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v, bias)
     *all_grads, dbias = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     for g, h in zip(grads, all_grads):
@@ -152,4 +141,4 @@ def test_bias_gradient_only_where_the_bias_is_differentiated(bias_shape):
     assert float(jnp.abs(dbias.astype(jnp.float32)).sum()) > 0
     # Through stop_gradient too: no dense gradient.
     held = jax.make_jaxpr(jax.grad(lambda q: f(q, k, v, jax.lax.stop_gradient(bias))))(q)
-    assert dense not in set(_avals(held.jaxpr))
+    assert dense not in set(jaxpr_avals(held))
