@@ -14,8 +14,12 @@ causal flag): each entry's real tokens, contiguous (left or right padding), are 
 and attended through ``attention_varlen`` (no ``Sq x Sk`` mask or bias; padded query rows
 give 0), and a batch whose real tokens have gaps is masked exactly through a bias. Any
 other mask (bidirectional, packed sequences, overlays such as image tokens) is
-transformers' own sdpa mask, a boolean ``(B, 1, Sq, Sk)`` that reaches the kernels as a
-bias of 0 / -inf (a masked key is invisible: weight and gradient 0). What each model
+transformers' own sdpa mask, a boolean ``(B, 1, Sq, Sk)``. Where it is exactly causal
+attention within packed sequences (``position_ids`` that restart at each sequence, as
+``DataCollatorWithFlattening`` makes them), the sequences are read off the mask once per
+forward and attended through ``attention_varlen``: no bias, and no work across
+sequences. Any other such mask reaches the kernels as a bias of 0 / -inf (a masked key
+is invisible: weight and gradient 0). What each model
 passes maps to the kernels' options: ``scaling`` to ``softmax_scale``,
 ``sliding_window`` to ``window_size=(sliding_window - 1, 0)`` (transformers' window holds
 the key itself and the ``sliding_window - 1`` before it; both sides without causality), ``softcap`` (Gemma-2's
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 
 import torch
 
@@ -61,6 +66,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None and attention_mask.ndim == 2:  # our mask function's
         return _padded_attention(q, k, v, attention_mask.bool(), bool(causal), sliding_window,
                                  options), None
+    if causal and attention_mask is not None and attention_mask.dtype == torch.bool:
+        window = _window(sliding_window, True)
+        cu_seqlens = _packed_sequences(attention_mask, window[0])
+        if cu_seqlens is not None:  # packed sequences (position_ids that restart)
+            return _packed_attention(q, k, v, cu_seqlens, window, options), None
     bias = None
     if attention_mask is not None:
         bias = _bias(attention_mask, query.dtype)
@@ -68,6 +78,48 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = attention(q, k, v, causal=bool(causal), bias=bias,
                     window_size=_window(sliding_window, causal), **options)
     return out, None
+
+
+_LAST_PACKED: list = [None, None, None]  # [weakref to a mask, its version, its cu_seqlens]
+
+
+def _packed_sequences(mask: torch.Tensor, window_left: int) -> torch.Tensor | None:
+    """``cu_seqlens`` over the flattened batch when a boolean ``(B, 1, S, S)`` mask is
+    exactly causal attention (within ``window_left``) inside consecutive sequences that
+    fill each row: transformers' mask for packed sequences (``position_ids`` that restart,
+    no padding mask). Else None. A sequence starts where a token does not see the one
+    before it; the mask must then equal the one those sequences make. Each layer gets the
+    same mask: it is read once."""
+    if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3] \
+            or mask.shape[2] < 2 or window_left == 0:
+        return None
+    ref, version, cu_seqlens = _LAST_PACKED
+    if ref is not None and ref() is mask and version == mask._version:
+        return cu_seqlens
+    batch, seqlen = mask.shape[0], mask.shape[2]
+    visible = mask[:, 0]
+    rows = torch.arange(seqlen, device=mask.device)
+    starts = torch.ones(batch, seqlen, dtype=torch.bool, device=mask.device)
+    starts[:, 1:] = ~visible[:, rows[1:], rows[:-1]]
+    sequence = starts.cumsum(1)
+    expected = (sequence[:, :, None] == sequence[:, None, :]) \
+        & window_visible(rows[None, :] - rows[:, None], window_left, 0)
+    cu_seqlens = None
+    if torch.equal(expected, visible):
+        firsts = starts.flatten().nonzero()[:, 0]
+        cu_seqlens = torch.cat([firsts, firsts.new_tensor([batch * seqlen])]).int()
+    _LAST_PACKED[:] = [weakref.ref(mask), mask._version, cu_seqlens]
+    return cu_seqlens
+
+
+def _packed_attention(q, k, v, cu_seqlens, window, options):
+    """Every token of q ``(B, S, Hq, D)``, k and v ``(B, S, Hk, D)`` in the packed sequences
+    ``cu_seqlens`` (over the flattened batch): one varlen call, no mask."""
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    out = attention_varlen(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True,
+                           window_size=window, **options)
+    return out.view(q.shape)
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:

@@ -98,6 +98,59 @@ def test_padding_reaches_the_kernels_as_lengths():
     assert other.shape == (2, 1, 12, 12)
 
 
+def _packed_positions(lengths_per_row, seqlen=12):
+    """position_ids restarting at each packed sequence, as DataCollatorWithFlattening
+    makes them (no attention mask)."""
+    rows = [torch.cat([torch.arange(n) for n in lengths]) for lengths in lengths_per_row]
+    assert all(len(r) == seqlen for r in rows)
+    return torch.stack(rows).to(DEVICE)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2"])
+def test_packed_sequences_match_and_run_as_varlen(name, monkeypatch):
+    # Two rows of packed sequences (one a single sequence): transformers builds a
+    # block-causal mask from position_ids; fa_torch reads the sequences off it and runs
+    # attention_varlen (once per layer), with sdpa's / eager's logits and gradients.
+    # (transformers looks for packing only without a cache: use_cache=False, as in training.)
+    ids, _ = _batch("none")
+    positions = _packed_positions([[5, 4, 3], [12]])
+    calls = []
+    varlen = fa_transformers.attention_varlen
+    monkeypatch.setattr(fa_transformers, "attention_varlen",
+                        lambda *a, **o: calls.append(a[3].tolist()) or varlen(*a, **o))
+    results = {}
+    for implementation in ("fa_torch", _configs()[name][1]):
+        model = _model(name, implementation).train()
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        logits.float().log_softmax(-1).square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = (logits.detach(), grads)
+    assert calls == [[0, 5, 9, 12, 24]] * _configs()[name][0].num_hidden_layers
+    (ours, our_grads), (theirs, their_grads) = results.values()
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    for n in our_grads:
+        torch.testing.assert_close(our_grads[n], their_grads[n], atol=2e-5, rtol=1e-3, msg=n)
+
+
+def test_packed_sequences_are_read_only_off_an_exact_mask():
+    positions = torch.arange(8)
+    causal = positions[None, :] <= positions[:, None]
+    sequence = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    packed = causal & (sequence[:, None] == sequence[None, :])
+    read = fa_transformers._packed_sequences
+    assert read(packed[None, None].to(DEVICE), -1).tolist() == [0, 3, 5, 8]
+    assert read(causal[None, None].expand(2, 1, 8, 8).to(DEVICE), -1).tolist() == [0, 8, 16]
+    windowed = packed & (positions[None, :] > positions[:, None] - 2)
+    assert read(windowed[None, None].to(DEVICE), 1).tolist() == [0, 3, 5, 8]
+    assert read(windowed[None, None].to(DEVICE), -1) is None  # not the window it is told of
+    overlay = packed.clone()
+    overlay[6, 1] = True  # one key beyond its sequence: not packed sequences, a bias
+    assert read(overlay[None, None].to(DEVICE), -1) is None
+    hole = packed.clone()
+    hole[7, 6] = False  # a key missing inside a sequence
+    assert read(hole[None, None].to(DEVICE), -1) is None
+
+
 @pytest.mark.parametrize("padding", ["none", "left", "gap"])
 def test_autocast_inputs_of_mixed_dtypes(padding):
     # Under bf16 autocast Llama's rotary hands the attention fp32 q and k beside a bf16 v:
