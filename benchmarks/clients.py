@@ -23,7 +23,10 @@ Llama built from ``LlamaConfig`` (hidden 1024, 8 heads over 2 K/V heads, head_di
 intermediate 2816, 4 layers, vocab 32000, bf16 weights), B=4, S=4096, left padding of
 0, 512, 1024 and 3000 tokens, with ``attn_implementation`` "fa_torch" (padding reaches
 the kernels as varlen), "sdpa" (transformers' (B, 1, S, S) mask) and "eager"; and the
-same step without padding (fa_torch and sdpa). Time: median of 10 steps after 3
+same step without padding (fa_torch and sdpa), and with the padded batch's real tokens
+packed into one row (``position_ids`` restarting at each sequence, no mask, as
+``DataCollatorWithFlattening`` makes them; fa_torch reads the sequences off
+transformers' block-causal mask and runs varlen, sdpa takes the (1, 1, T, T) mask). Time: median of 10 steps after 3
 warm-ups; peak memory ``torch.cuda.max_memory_allocated`` over those steps (weights and
 gradients included); loss and gradients compared with sdpa's. The labels are -100 where
 a token or the one before it is padding, so that the loss reads no padded position's
@@ -105,17 +108,21 @@ def torch_setup(quick: bool) -> dict:
                 warmup=3, runs=10)
 
 
-# (key, attn_implementation, padded, path), in the table's order.
+# (key, attn_implementation, layout, path), in the table's order.
 TORCH_CASES = (
-    ("fa_torch-padded", "fa_torch", True, "after (varlen)"),
-    ("sdpa-padded", "sdpa", True, "before (mask)"),
-    ("eager-padded", "eager", True, "before (mask)"),
-    ("fa_torch-full", "fa_torch", False, "no padding"),
-    ("sdpa-full", "sdpa", False, "no padding"),
+    ("fa_torch-padded", "fa_torch", "padded", "after (varlen)"),
+    ("sdpa-padded", "sdpa", "padded", "before (mask)"),
+    ("eager-padded", "eager", "padded", "before (mask)"),
+    ("fa_torch-full", "fa_torch", "full", "no padding"),
+    ("sdpa-full", "sdpa", "full", "no padding"),
+    ("fa_torch-packed", "fa_torch", "packed", "after (varlen, read off the mask)"),
+    ("sdpa-packed", "sdpa", "packed", "before (block-causal mask)"),
 )
-# sdpa first (the reference of its padding), eager last (the largest, may not fit).
+LAYOUTS = {"padded": "left padding", "full": "no padding",
+           "packed": "the same real tokens packed in one row"}
+# sdpa first (the reference of its layout), eager last (the largest, may not fit).
 TORCH_ORDER = ("sdpa-padded", "fa_torch-padded", "sdpa-full", "fa_torch-full",
-               "eager-padded")
+               "sdpa-packed", "fa_torch-packed", "eager-padded")
 
 
 def expected_keys(section: str) -> list[str]:
@@ -296,11 +303,11 @@ def jax_section(quick: bool, emit: Emitter):
 
 def torch_section(quick: bool, emit: Emitter):
     setup = torch_setup(quick)
-    cases = {key: (impl, padded, path) for key, impl, padded, path in TORCH_CASES}
+    cases = {key: (impl, layout, path) for key, impl, layout, path in TORCH_CASES}
 
     def row(key, **values):
-        impl, padded, path = cases[key]
-        label = f"{impl}, " + ("left padding" if padded else "no padding")
+        impl, layout, path = cases[key]
+        label = f"{impl}, {LAYOUTS[layout]}"
         return dict(section="torch", key=key, path=path, label=label, **values)
 
     try:
@@ -352,16 +359,24 @@ def torch_section(quick: bool, emit: Emitter):
         for b, pad in enumerate(padding):
             padded_mask[b, :pad] = 0
         inputs = {}
-        for padded, mask in ((True, padded_mask), (False, torch.ones_like(padded_mask))):
+        for layout, mask in (("padded", padded_mask), ("full", torch.ones_like(padded_mask))):
             # Labels only where the token and the one before it are real: the causal LM
             # loss predicts label t + 1 from position t, and a padded position's logits
             # are each implementation's own (fa_torch: 0; eager: uniform attention).
             labels = ids.masked_fill(mask == 0, -100)
             labels[:, 1:].masked_fill_(mask[:, :-1] == 0, -100)
-            inputs[padded] = dict(
+            inputs[layout] = dict(
                 input_ids=ids.to(device), attention_mask=mask.to(device),
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(device),
                 labels=labels.to(device))
+        # Packed (DataCollatorWithFlattening): the padded batch's real tokens in one row,
+        # position_ids restarting at each sequence, no mask, no label across a boundary.
+        real = padded_mask.bool()
+        positions = (padded_mask.cumsum(-1) - 1)[real][None]
+        packed_labels = ids[real][None].masked_fill(positions == 0, -100)
+        inputs["packed"] = dict(input_ids=ids[real][None].to(device),
+                                position_ids=positions.to(device),
+                                labels=packed_labels.to(device), use_cache=False)
         emit.setup("torch", emit.meta["torch"] + f"; weights {fmt(weights_mib, 'mib')} MiB")
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
@@ -369,11 +384,11 @@ def torch_section(quick: bool, emit: Emitter):
             emit.row(row(key, error=f"model: {short_error(exc)}"))
         return
 
-    references = {}  # padded -> (loss, {name: grad on the host})
+    references = {}  # layout -> (loss, {name: grad on the host})
     for key in TORCH_ORDER:
-        impl, padded, _ = cases[key]
+        impl, layout, _ = cases[key]
         result = row(key)
-        batch_inputs = inputs[padded]
+        batch_inputs = inputs[layout]
         try:
             model.set_attn_implementation(impl)
             if model.config._attn_implementation != impl:
@@ -405,10 +420,10 @@ def torch_section(quick: bool, emit: Emitter):
                 result["note"] = "non-finite loss"
             grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
             if impl == "sdpa":
-                references[padded] = (loss, {n: g.detach().float().cpu() for n, g in grads.items()})
+                references[layout] = (loss, {n: g.detach().float().cpu() for n, g in grads.items()})
                 result["loss_diff"] = result["grad_diff"] = 0.0
-            elif padded in references:
-                ref_loss, ref_grads = references[padded]
+            elif layout in references:
+                ref_loss, ref_grads = references[layout]
                 result["loss_diff"] = abs(loss - ref_loss)
                 worst = 0.0
                 for name, ref in ref_grads.items():
@@ -485,13 +500,13 @@ def render(rows: list[dict], meta: dict, sections, quick: bool, argv) -> str:
                   "peak MiB: `torch.cuda.max_memory_allocated()` over the timed steps "
                   "(weights and gradients included; n/a on the CPU). |Δloss| and max "
                   "|Δgrad| (over parameters, of max |g - g_sdpa| / max |g_sdpa|) against "
-                  "sdpa with the same padding.\n",
-                  "| attn_implementation | padding | path | ms / step | peak MiB | loss "
+                  "sdpa with the same layout.\n",
+                  "| attn_implementation | layout | path | ms / step | peak MiB | loss "
                   "| \\|Δloss\\| vs sdpa | max rel \\|Δgrad\\| vs sdpa | note / error |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for key, impl, padded, path in TORCH_CASES:
+        for key, impl, layout, path in TORCH_CASES:
             r = by_key.get(("torch", key), {})
-            lines.append(f"| {impl} | {'left' if padded else 'none'} | {path} "
+            lines.append(f"| {impl} | {LAYOUTS[layout]} | {path} "
                          f"| {fmt(r.get('ms'), '.1f')} | {fmt(r.get('peak_mib'), 'mib')} "
                          f"| {fmt(r.get('loss'), '.6f')} | {fmt(r.get('loss_diff'), '.2e')} "
                          f"| {fmt(r.get('grad_diff'), '.2e')} "
