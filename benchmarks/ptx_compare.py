@@ -4,8 +4,8 @@ Runs one forward+backward through fa_jax (jitted; jax_triton writes each kernel'
 under JAX_TRITON_DUMP_DIR) and the same plan's launches through fa_torch's launcher
 (Triton's JIT), both with fa_jax's plan options (tensor descriptors made on the host with
 jax-triton 0.4, none with 0.3.1; never built on the device, whose scratch no jax-triton
-release gives inside a jitted program), then prints for the forward, dK/dV
-and dQ kernels the instruction counts of each PTX (``fa_kernels.offline.ptx_counts``), the spills the same ptxas reports for
+release gives inside a jitted program), then prints for the forward and
+the backward's dK/dV and dQ passes the instruction counts of each PTX (``fa_kernels.offline.ptx_counts``), the spills the same ptxas reports for
 each, whether the code is the same, and whether the outputs are bitwise equal.
 
     python benchmarks/ptx_compare.py [--shape 4,4096,16,16,128] [--causal]
@@ -38,7 +38,14 @@ from fa_kernels import launcher, offline  # noqa: E402
 from fa_kernels import plan as fa_plan  # noqa: E402
 from fa_torch import _launch as torch_launch  # noqa: E402
 
-KERNELS = ("attention_forward", "attention_backward_dkdv", "attention_backward_dq")
+KERNELS = ("attention_forward", "attention_backward (dK dV)", "attention_backward (dQ)")
+
+
+def kernel_pass(launch) -> str:
+    """A row's name: the kernel and, for the backward, which of its two passes."""
+    if launch.kernel != "attention_backward":
+        return launch.kernel
+    return f"{launch.kernel} ({'dQ' if launch.constexprs['DQ_PASS'] else 'dK dV'})"
 
 
 def spills(ptx: str, arch: str) -> str:
@@ -88,11 +95,17 @@ def main():
                                     t.float().cpu().numpy())
                for name, j, t in zip(("out", "dq", "dk", "dv"), jax_results, torch_results)}
 
-    jit_ptx = {launch.kernel: compiled.asm["ptx"]
+    jit_ptx = {kernel_pass(launch): compiled.asm["ptx"]
                for launch, compiled, *_ in launcher._COMPILED.values()}
-    jax_ptx = {}
-    for path in glob.glob(os.path.join(DUMP, "*", "*.ptx")):
-        jax_ptx[os.path.basename(path)[:-4]] = open(path).read()
+    # jax_triton names a dump by its kernel; the backward's two passes were compiled in
+    # launch order (dK dV, then dQ), so their files' times tell them apart.
+    jax_ptx, seen = {}, {}
+    for path in sorted(glob.glob(os.path.join(DUMP, "*", "*.ptx")), key=os.path.getmtime):
+        kernel = os.path.basename(path)[:-4]
+        names = [k for k in KERNELS if k.split(" ")[0] == kernel] or [kernel]
+        index = seen.get(kernel, 0)
+        seen[kernel] = index + 1
+        jax_ptx[names[min(index, len(names) - 1)]] = open(path).read()
     arch = f"sm_{capability[0]}{capability[1]}{'a' if capability[0] >= 9 else ''}"
     print(f"\nB,S,Hq,Hk,D = {args.shape}, bf16, causal={args.causal}, {arch}; PTX counts "
           f"{' / '.join(offline.ptx_counts(''))}; ptxas stack / spill stores / spill loads (B)")

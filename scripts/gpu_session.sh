@@ -40,7 +40,7 @@ for step in "$@"; do
         2> "$out/tune.err" | tee "$out/tune.log" | tail -30 ;;
     profile)  # ncu counters of each kernel of one fwd+bwd call (the last of PROFILE_ARGS' calls)
       timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --target-processes all \
-        --kernel-name "regex:${PROFILE_KERNELS:-attention_(forward|backward_dkdv|backward_dq)\$}" \
+        --kernel-name "regex:${PROFILE_KERNELS:-attention_(forward|backward)\$}" \
         --launch-skip "${PROFILE_SKIP:-6}" --launch-count "${PROFILE_COUNT:-3}" \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \

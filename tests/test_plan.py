@@ -60,7 +60,12 @@ def test_backward_plan_grids():
     block_n = bwd.dkdv.constexprs["BLOCK_N"]
     assert bwd.dkdv.grid == (-(-300 // block_n), 2, 2)  # one program per key block and K/V head
     assert bwd.dq.grid[1:] == (8, 2)
-    assert [o.name for o in bwd.dkdv.outputs] == ["dk", "dv"]
+    # One kernel, two passes: each writes its own outputs, the other pass's are placeholders.
+    assert bwd.dkdv.kernel == bwd.dq.kernel == "attention_backward"
+    assert [o.name for o in bwd.dkdv.outputs] == ["dk", "dv", "unused_dq", "unused_dbias"]
+    assert [o.name for o in bwd.dq.outputs] == ["unused_dk", "unused_dv", "dq", "unused_dbias"]
+    assert all(o.shape == (1,) for o in bwd.dq.outputs if o.name.startswith("unused_"))
+    assert not bwd.dkdv.constexprs["DQ_PASS"] and bwd.dq.constexprs["DQ_PASS"]
     assert bwd.preprocess.outputs[0].shape == (2, 8, 100)
 
 
@@ -161,7 +166,8 @@ def test_bias_broadcast_strides_and_reduction():
     assert plan.bias_strides(p.bias_shape, None) == (0, 300, 0, 1)
     assert p.bias_reduce_axes == (0, 2)
     bwd = plan.backward_plan(p, capability=None, bias_grad=True)
-    assert bwd.dq.outputs[1].shape == (2, 8, 100, 300) and bwd.dq.outputs[1].zeroed
+    dbias = {o.name: o for o in bwd.dq.outputs}["dbias"]
+    assert dbias.shape == (2, 8, 100, 300) and dbias.zeroed
 
 
 def test_varlen_layout():

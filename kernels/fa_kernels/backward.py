@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward, in three kernels and without atomics.
+"""FlashAttention-2 backward, in three launches and without atomics.
 
 With P = exp(z - LSE) recomputed from the saved LSE (z the natural-log logits after
 softcap, bias and ALiBi), dP = dO V^T and D = rowsum(dO * O) - dLSE:
@@ -9,11 +9,12 @@ where dS = dZ, times 1 - tanh^2 under softcap; dZ is also the bias gradient. Dro
 multiplies P by keep / (1 - p) on the way to dV and dP by the same on the way back.
 
 * ``attention_backward_preprocess``: D, one program per (query block, head, batch).
-* ``attention_backward_dkdv``: one program per (key block, K/V head, batch entry) loops
-  over the query blocks that see it, for every query head of its GQA group, summing
-  in fp32 registers: dK and dV are written once, so the result is deterministic.
-* ``attention_backward_dq``: one program per (query block, query head, batch entry)
-  loops over the key blocks it sees, like the forward; it also writes dZ for the bias.
+* ``attention_backward``, launched once per pass, each with its own tile:
+  - dK and dV: one program per (key block, K/V head, batch entry) loops over the query
+    blocks that see it, for every query head of its GQA group, summing in fp32
+    registers: dK and dV are written once, so the result is deterministic;
+  - dQ (``DQ_PASS``): one program per (query block, query head, batch entry) loops over
+    the key blocks it sees, like the forward; it also writes dZ for the bias.
 
 The outflow rule: scores are scaled once in fp32, and the remaining factors
 (``softmax_scale`` for dK and dQ, 1 / (1 - p) for dV) are applied on the way out.
@@ -21,9 +22,10 @@ The outflow rule: scores are scaled once in fp32, and the remaining factors
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, block_source, dropout_keep, held_block_source, kernel, key_blocks,
-                      load_block, load_row_stats, load_seed, load_tile, probabilities,
-                      query_blocks, scores, sequence_bounds, softcap_slope, store_tile, visible)
+from .helpers import (aligned, aligned_strides, block_run, block_source, dropout_keep, kernel,
+                      key_blocks, load_block, load_held_pair, load_row_stats, load_seed,
+                      load_tile, probabilities, query_blocks, scores, sequence_bounds,
+                      softcap_slope, store_tile, tile_offsets, visible)
 
 
 @kernel
@@ -37,12 +39,8 @@ def attention_backward_preprocess(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
 ):
-    stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
-    stride_om = aligned(stride_om, STRIDES_ALIGNED)
-    stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
-    stride_dob = aligned(stride_dob, STRIDES_ALIGNED)
-    stride_dom = aligned(stride_dom, STRIDES_ALIGNED)
-    stride_doh = aligned(stride_doh, STRIDES_ALIGNED)
+    stride_ob, stride_om, stride_oh = aligned_strides(stride_ob, stride_om, stride_oh, STRIDES_ALIGNED)
+    stride_dob, stride_dom, stride_doh = aligned_strides(stride_dob, stride_dom, stride_doh, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.cast(tl.program_id(1), tl.int64)
     batch = tl.cast(tl.program_id(2), tl.int64)
@@ -110,79 +108,9 @@ def _dkdv_step(dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_b
     return dk, dv
 
 
-@kernel
-def attention_backward_dkdv(
-    Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, SequsedK,
-    QBlocks, KBlocks, VBlocks, dOBlocks,
-    softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
-    window_left, window_right, seqlen_q, seqlen_k, total_q, total_k,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lb, stride_lh,
-    stride_bb, stride_bh, stride_bm, stride_bn,
-    stride_sb,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
-    dK, dV,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STRIDES_ALIGNED: tl.constexpr,
-    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
-    DKDV_PARTS: tl.constexpr,
-):
-    stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
-    stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
-    stride_qh = aligned(stride_qh, STRIDES_ALIGNED)
-    stride_kb = aligned(stride_kb, STRIDES_ALIGNED)
-    stride_kn = aligned(stride_kn, STRIDES_ALIGNED)
-    stride_kh = aligned(stride_kh, STRIDES_ALIGNED)
-    stride_vb = aligned(stride_vb, STRIDES_ALIGNED)
-    stride_vn = aligned(stride_vn, STRIDES_ALIGNED)
-    stride_vh = aligned(stride_vh, STRIDES_ALIGNED)
-    stride_dob = aligned(stride_dob, STRIDES_ALIGNED)
-    stride_dom = aligned(stride_dom, STRIDES_ALIGNED)
-    stride_doh = aligned(stride_doh, STRIDES_ALIGNED)
-    stride_dkb = aligned(stride_dkb, STRIDES_ALIGNED)
-    stride_dkn = aligned(stride_dkn, STRIDES_ALIGNED)
-    stride_dkh = aligned(stride_dkh, STRIDES_ALIGNED)
-    stride_dvb = aligned(stride_dvb, STRIDES_ALIGNED)
-    stride_dvn = aligned(stride_dvn, STRIDES_ALIGNED)
-    stride_dvh = aligned(stride_dvh, STRIDES_ALIGNED)
-    # DKDV_PARTS = 2: two programs a key block, the even one sums dV and the odd one dK
-    # (each recomputes P), where one program cannot hold both accumulators without
-    # spilling (D = 256). 1: one program sums both.
-    block = tl.program_id(0) // DKDV_PARTS
-    start_n = block * BLOCK_N
-    head_k = tl.program_id(1)
-    batch = tl.program_id(2)
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-        batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN,
-        HAS_SEQUSED_K)
-    if start_n >= seqlen_k:  # past this sequence's (used) keys: no row of dK, dV to write,
-        return               # and a descriptor over 0 rows faults on load
-    batch64 = tl.cast(batch, tl.int64)
-    for part in tl.static_range(DKDV_PARTS):  # each part its own specialised loop
-        if tl.program_id(0) % DKDV_PARTS == part:
-            _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
-                        batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
-                        qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
-                        window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
-                        stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
-                        stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
-                        stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
-                        stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                        GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                        HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, HOST_TMA,
-                        WANT_DK=part == DKDV_PARTS - 1, WANT_DV=part == 0)
-
-
 @triton.jit
-def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, Delta, Bias, Slopes, Seed, dK, dV, start_n, head_k,
+def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, Delta, Bias,
+                Slopes, Seed, dK, dV, start_n, head_k,
                 batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
                 qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
                 window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
@@ -199,9 +127,7 @@ def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, 
     """dK and/or dV of the key block from ``start_n``: the loop over the query blocks that
     see it, for every query head of the GQA group, then the stores."""
     head_k64 = tl.cast(head_k, tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_m, offs_n, offs_d = tile_offsets(BLOCK_M, BLOCK_N, BLOCK_D)
     cols = start_n + offs_n
 
     # Key rows past seqlen_k need no mask (they read as 0, or as the next rows in memory
@@ -210,20 +136,11 @@ def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, 
     # land in shared memory, where the matmuls read them, with no copy in registers (at
     # D = 256 that halves the spills).
     k_row0 = k_start + tl.cast(start_n, tl.int64)
-    k_source = held_block_source(
-        K, batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn, KBlocks, batch,
-        head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA, HOST_TMA)
-    if WANT_DK:  # V is read for dK only
-        v_source = held_block_source(
-            V, batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn,
-            VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA,
-            HOST_TMA)
-    k = load_block(k_source, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D,
-                   True, HOLD_TMA, HOST_TMA)
-    v = k
-    if WANT_DK:
-        v = load_block(v_source, start_n, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM,
-                       BLOCK_D, True, HOLD_TMA, HOST_TMA)
+    k, v = load_held_pair(
+        K, batch64 * stride_kb + head_k64 * stride_kh + k_start * stride_kn, KBlocks, stride_kn,
+        V, batch64 * stride_vb + head_k64 * stride_vh + k_start * stride_vn, VBlocks, stride_vn,
+        start_n, batch, head_k, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, HOLD_TMA, HOST_TMA,
+        WANT_DK)  # V is read for dK only
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -248,33 +165,17 @@ def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, 
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Slopes + batch64 * stride_sb + head64)
-        for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
-                start_m, cols,
-                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
-                BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOST_TMA, WANT_DK, WANT_DV)
-        for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
-                start_m, cols,
-                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
-                BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOST_TMA, WANT_DK, WANT_DV)
-        for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base, bias_base,
-                start_m, cols,
-                offs_m, offs_d, stride_qm, stride_dom, stride_bm, stride_bn, seqlen_q, seqlen_k,
-                qk_scale, softcap_scale, softcap_out, slope, window_left, window_right,
-                seed_lo, seed_hi, dropout_p, dropout_scale, mask_batch, mask_head, HEAD_DIM,
-                BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOST_TMA, WANT_DK, WANT_DV)
+        for run in tl.static_range(3):  # masked, unmasked, masked query blocks (query_blocks)
+            first, last = block_run(run, lo, full_lo, full_hi, hi)
+            for start_m in range(first, last, BLOCK_M):
+                dk, dv = _dkdv_step(
+                    dk, dv, k, v, q_source, do_source, lse_base, lse_lo_base, delta_base,
+                    bias_base, start_m, cols, offs_m, offs_d, stride_qm, stride_dom, stride_bm,
+                    stride_bn, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
+                    window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
+                    mask_batch, mask_head, HEAD_DIM, BLOCK_D, run != 1, LIMIT_LEFT, LIMIT_RIGHT,
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, USE_TMA,
+                    HOST_TMA, WANT_DK, WANT_DV)
 
     if WANT_DK:
         store_tile(dK + batch64 * stride_dkb + head_k64 * stride_dkh + k_row0 * stride_dkn,
@@ -288,8 +189,8 @@ def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, 
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
-             offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
+def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n,
+             rows, offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
              seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
              window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale, batch, head,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
@@ -325,7 +226,7 @@ def _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias
 
 
 @kernel
-def attention_backward_dq(
+def attention_backward(
     Q, K, V, dOut, LSE, LSELo, Delta, Bias, Slopes, Seed, CuSeqlensQ, CuSeqlensK, SequsedK,
     QBlocks, KBlocks, VBlocks, dOBlocks,
     softmax_scale, qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
@@ -337,106 +238,107 @@ def attention_backward_dq(
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_sb,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_dbb, stride_dbh, stride_dbm,
-    dQ, dBias,
+    dK, dV, dQ, dBias,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    STRIDES_ALIGNED: tl.constexpr, USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr,
-    HOST_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
+    DKDV_PARTS: tl.constexpr, DQ_PASS: tl.constexpr,
 ):
-    stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
-    stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
-    stride_qh = aligned(stride_qh, STRIDES_ALIGNED)
-    stride_kb = aligned(stride_kb, STRIDES_ALIGNED)
-    stride_kn = aligned(stride_kn, STRIDES_ALIGNED)
-    stride_kh = aligned(stride_kh, STRIDES_ALIGNED)
-    stride_vb = aligned(stride_vb, STRIDES_ALIGNED)
-    stride_vn = aligned(stride_vn, STRIDES_ALIGNED)
-    stride_vh = aligned(stride_vh, STRIDES_ALIGNED)
-    stride_dob = aligned(stride_dob, STRIDES_ALIGNED)
-    stride_dom = aligned(stride_dom, STRIDES_ALIGNED)
-    stride_doh = aligned(stride_doh, STRIDES_ALIGNED)
-    stride_dqb = aligned(stride_dqb, STRIDES_ALIGNED)
-    stride_dqm = aligned(stride_dqm, STRIDES_ALIGNED)
-    stride_dqh = aligned(stride_dqh, STRIDES_ALIGNED)
-    start_m = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1)
+    """One program of a backward pass: the plan launches the kernel twice, for dK and dV
+    (a program per key block and K/V head) and, with ``DQ_PASS``, for dQ (a program per
+    query block and query head), each pass with its own tile. A pass's outputs are the
+    only arrays it writes; the other pass's are placeholders it never touches."""
+    stride_qb, stride_qm, stride_qh = aligned_strides(stride_qb, stride_qm, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_kn, stride_kh = aligned_strides(stride_kb, stride_kn, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vn, stride_vh = aligned_strides(stride_vb, stride_vn, stride_vh, STRIDES_ALIGNED)
+    stride_dob, stride_dom, stride_doh = aligned_strides(stride_dob, stride_dom, stride_doh, STRIDES_ALIGNED)
+    stride_dkb, stride_dkn, stride_dkh = aligned_strides(stride_dkb, stride_dkn, stride_dkh, STRIDES_ALIGNED)
+    stride_dvb, stride_dvn, stride_dvh = aligned_strides(stride_dvb, stride_dvn, stride_dvh, STRIDES_ALIGNED)
+    stride_dqb, stride_dqm, stride_dqh = aligned_strides(stride_dqb, stride_dqm, stride_dqh, STRIDES_ALIGNED)
     batch = tl.program_id(2)
-    head_k = tl.cast(head // GROUP_SIZE, tl.int64)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN,
         HAS_SEQUSED_K)
-    if start_m >= seqlen_q:  # past this sequence's queries (varlen): no row of dQ to write,
-        return               # and a descriptor over 0 rows faults on load
-    batch64 = tl.cast(batch, tl.int64)
-    head64 = tl.cast(head, tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = start_m + offs_m
-    q_row0 = q_start + tl.cast(start_m, tl.int64)
+    if DQ_PASS:  # dQ (and dZ) of one query block of one query head
+        start_m = tl.program_id(0) * BLOCK_M
+        if start_m >= seqlen_q:  # past this sequence's queries (varlen): no row of dQ to
+            return               # write, and a descriptor over 0 rows faults on load
+        batch64 = tl.cast(batch, tl.int64)
+        head = tl.program_id(1)
+        head_k = tl.cast(head // GROUP_SIZE, tl.int64)
+        head64 = tl.cast(head, tl.int64)
+        offs_m, offs_n, offs_d = tile_offsets(BLOCK_M, BLOCK_N, BLOCK_D)
+        rows = start_m + offs_m
+        q_row0 = q_start + tl.cast(start_m, tl.int64)
 
-    q_source = held_block_source(
-        Q, batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm, QBlocks, batch,
-        head, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA, HOST_TMA)
-    do_source = held_block_source(
-        dOut, batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
-        dOBlocks, batch, head, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA,
-        HOST_TMA)
-    q = load_block(q_source, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D,
-                   True, HOLD_TMA, HOST_TMA)
-    do = load_block(do_source, start_m, offs_m, offs_d, stride_dom, seqlen_q, HEAD_DIM, BLOCK_D,
-                    True, HOLD_TMA, HOST_TMA)
-    row_base = batch64 * stride_lb + head64 * stride_lh + q_start
-    lse, lse_lo, delta = load_row_stats(LSE + row_base, LSELo + row_base, Delta + row_base, rows,
-                                        seqlen_q, HAS_BIAS)
-    k_source = block_source(K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn,
-                            KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N,
-                            BLOCK_D, USE_TMA, HOST_TMA)
-    v_source = block_source(V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn,
-                            VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N,
-                            BLOCK_D, USE_TMA, HOST_TMA)
-    bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
-    dbias_base = dBias + batch64 * stride_dbb + head64 * stride_dbh
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + batch64 * stride_sb + head64)
-    seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        q, do = load_held_pair(
+            Q, batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm, QBlocks, stride_qm,
+            dOut, batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom, dOBlocks,
+            stride_dom, start_m, batch, head, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, HOLD_TMA,
+            HOST_TMA, True)
+        row_base = batch64 * stride_lb + head64 * stride_lh + q_start
+        lse, lse_lo, delta = load_row_stats(LSE + row_base, LSELo + row_base, Delta + row_base,
+                                            rows, seqlen_q, HAS_BIAS)
+        k_source = block_source(K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn,
+                                KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N,
+                                BLOCK_D, USE_TMA, HOST_TMA)
+        v_source = block_source(V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn,
+                                VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N,
+                                BLOCK_D, USE_TMA, HOST_TMA)
+        bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
+        dbias_base = dBias + batch64 * stride_dbb + head64 * stride_dbh
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Slopes + batch64 * stride_sb + head64)
+        seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    lo, full_lo, full_hi, hi = key_blocks(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k,
-                                          window_left, window_right, BLOCK_N, LIMIT_LEFT,
-                                          LIMIT_RIGHT)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
-                      offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
-                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
-                      window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
-                      mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA,
-                      HOST_TMA)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
-                      offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
-                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
-                      window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
-                      mask_batch, mask_head, HEAD_DIM, BLOCK_D, False, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA,
-                      HOST_TMA)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base, start_n, rows,
-                      offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn, stride_dbm,
-                      seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
-                      window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
-                      mask_batch, mask_head, HEAD_DIM, BLOCK_D, True, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP,
-                      HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION, USE_TMA,
-                      HOST_TMA)
+        lo, full_lo, full_hi, hi = key_blocks(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k,
+                                              window_left, window_right, BLOCK_N, LIMIT_LEFT,
+                                              LIMIT_RIGHT)
+        for run in tl.static_range(3):  # masked, unmasked, masked key blocks (key_blocks)
+            first, last = block_run(run, lo, full_lo, full_hi, hi)
+            for start_n in range(first, last, BLOCK_N):
+                dq = _dq_step(
+                    dq, q, do, lse, lse_lo, delta, k_source, v_source, bias_base, dbias_base,
+                    start_n, rows, offs_n, offs_d, stride_kn, stride_vn, stride_bm, stride_bn,
+                    stride_dbm, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_out, slope,
+                    window_left, window_right, seed_lo, seed_hi, dropout_p, dropout_scale,
+                    mask_batch, mask_head, HEAD_DIM, BLOCK_D, run != 1, LIMIT_LEFT, LIMIT_RIGHT,
+                    HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, HAS_DBIAS, DOT_PRECISION,
+                    USE_TMA, HOST_TMA)
 
-    dq = dq * softmax_scale
-    store_tile(dQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqm,
-               dq, offs_m, offs_d, stride_dqm, seqlen_q - start_m, HEAD_DIM, BLOCK_D)
+        dq = dq * softmax_scale
+        store_tile(dQ + batch64 * stride_dqb + head64 * stride_dqh + q_row0 * stride_dqm,
+                   dq, offs_m, offs_d, stride_dqm, seqlen_q - start_m, HEAD_DIM, BLOCK_D)
+    else:  # dK and dV of one key block of one K/V head, its group's query heads summed
+        # DKDV_PARTS = 2: two programs a key block, the even one sums dV and the odd one dK
+        # (each recomputes P), where one program cannot hold both accumulators without
+        # spilling (D = 256). 1: one program sums both.
+        start_n = tl.program_id(0) // DKDV_PARTS * BLOCK_N
+        head_k = tl.program_id(1)
+        if start_n >= seqlen_k:  # past this sequence's (used) keys: no row of dK, dV to
+            return               # write, and a descriptor over 0 rows faults on load
+        batch64 = tl.cast(batch, tl.int64)
+        for part in tl.static_range(DKDV_PARTS):  # each part its own specialised loop
+            if tl.program_id(0) % DKDV_PARTS == part:
+                _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, Delta,
+                            Bias, Slopes, Seed, dK, dV, start_n, head_k,
+                            batch, batch64, q_start, k_start, seqlen_q, seqlen_k, softmax_scale,
+                            qk_scale, softcap_scale, softcap_out, dropout_p, dropout_scale,
+                            window_left, window_right, stride_qb, stride_qm, stride_qh, stride_kb,
+                            stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_dob,
+                            stride_dom, stride_doh, stride_lb, stride_lh, stride_bb, stride_bh,
+                            stride_bm, stride_bn, stride_sb, stride_dkb, stride_dkn, stride_dkh,
+                            stride_dvb, stride_dvn, stride_dvh, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                            GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+                            HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, HOST_TMA,
+                            WANT_DK=part == DKDV_PARTS - 1, WANT_DV=part == 0)

@@ -14,10 +14,10 @@ the plain path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, block_source, dropout_keep, final_lse, kernel, key_blocks,
-                      load_kv_block, load_rows, load_seed, load_tile, paged_source,
-                      scores, sequence_bounds, softmax_step, split_blocks, store_rows, store_tile,
-                      visible)
+from .helpers import (aligned, aligned_strides, block_run, block_source, dropout_keep, final_lse,
+                      kernel, key_blocks, load_kv_block, load_rows, load_seed, load_tile,
+                      paged_source, scores, sequence_bounds, softmax_step, split_blocks,
+                      store_rows, store_tile, tile_offsets, visible)
 
 
 @triton.jit
@@ -79,18 +79,10 @@ def attention_forward(
     HOST_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, PAGED_KV: tl.constexpr,
     WHOLE_PAGES: tl.constexpr,
 ):
-    stride_qb = aligned(stride_qb, STRIDES_ALIGNED)
-    stride_qm = aligned(stride_qm, STRIDES_ALIGNED)
-    stride_qh = aligned(stride_qh, STRIDES_ALIGNED)
-    stride_kb = aligned(stride_kb, STRIDES_ALIGNED)
-    stride_kn = aligned(stride_kn, STRIDES_ALIGNED)
-    stride_kh = aligned(stride_kh, STRIDES_ALIGNED)
-    stride_vb = aligned(stride_vb, STRIDES_ALIGNED)
-    stride_vn = aligned(stride_vn, STRIDES_ALIGNED)
-    stride_vh = aligned(stride_vh, STRIDES_ALIGNED)
-    stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
-    stride_om = aligned(stride_om, STRIDES_ALIGNED)
-    stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
+    stride_qb, stride_qm, stride_qh = aligned_strides(stride_qb, stride_qm, stride_qh, STRIDES_ALIGNED)
+    stride_kb, stride_kn, stride_kh = aligned_strides(stride_kb, stride_kn, stride_kh, STRIDES_ALIGNED)
+    stride_vb, stride_vn, stride_vh = aligned_strides(stride_vb, stride_vn, stride_vh, STRIDES_ALIGNED)
+    stride_ob, stride_om, stride_oh = aligned_strides(stride_ob, stride_om, stride_oh, STRIDES_ALIGNED)
     stride_os = aligned(stride_os, STRIDES_ALIGNED)  # (a whole number of outputs)
     # Split-KV: programs (block, split) share a query block, each over a slice of the keys,
     # and write partial results that attention_forward_combine merges.
@@ -105,9 +97,7 @@ def attention_forward(
         HAS_SEQUSED_K)
     batch64 = tl.cast(batch, tl.int64)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_m, offs_n, offs_d = tile_offsets(BLOCK_M, BLOCK_N, BLOCK_D)
     if PACK_GQA:
         # The rows of a block are (query, head) pairs of one K/V head's group: short
         # queries (decode) fill a tile, and K/V are read once per group, not per head.
@@ -168,12 +158,7 @@ def attention_forward(
     # The key blocks in three runs: masked ones where the first rows' diagonal or window
     # edge cuts them, unmasked ones in the middle, masked ones again at the far edge.
     for run in tl.static_range(3):
-        if run == 0:
-            first, last = lo, full_lo
-        elif run == 1:
-            first, last = full_lo, full_hi
-        else:
-            first, last = full_hi, hi
+        first, last = block_run(run, lo, full_lo, full_hi, hi)
         for start_n in range(first, last, BLOCK_N):
             acc, m_i, l_i = _attend(
                 acc, m_i, l_i, q, k_source, v_source, bias_base, start_n, rows, offs_n, offs_d,
@@ -230,9 +215,7 @@ def attention_forward_combine(
 
     The partial buffers have the layout of Out and LSE (fp32) with a leading split axis.
     """
-    stride_ob = aligned(stride_ob, STRIDES_ALIGNED)
-    stride_om = aligned(stride_om, STRIDES_ALIGNED)
-    stride_oh = aligned(stride_oh, STRIDES_ALIGNED)
+    stride_ob, stride_om, stride_oh = aligned_strides(stride_ob, stride_om, stride_oh, STRIDES_ALIGNED)
     stride_os = aligned(stride_os, STRIDES_ALIGNED)
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.cast(tl.program_id(1), tl.int64)

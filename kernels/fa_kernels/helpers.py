@@ -54,6 +54,19 @@ def aligned(stride, STRIDES_ALIGNED: tl.constexpr):
     return stride
 
 
+
+@triton.jit
+def aligned_strides(stride_b, stride_row, stride_h, STRIDES_ALIGNED: tl.constexpr):
+    """``aligned`` for one array's (batch, row, head) strides."""
+    return (aligned(stride_b, STRIDES_ALIGNED), aligned(stride_row, STRIDES_ALIGNED),
+            aligned(stride_h, STRIDES_ALIGNED))
+
+
+@triton.jit
+def tile_offsets(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program's offsets along query rows, key rows and the head dimension."""
+    return tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+
 @triton.jit
 def load_tile(base, offs_row, offs_d, stride_row, num_rows,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
@@ -135,6 +148,34 @@ def held_block_source(array, offset, blocks, batch, head, num_rows, stride_row,
                 tl.cast(offset % stride_row, tl.int32))
     return block_source(array + offset, blocks, batch, head, num_rows, stride_row, HEAD_DIM,
                         BLOCK_ROWS, BLOCK_D, HOLD_TMA, HOST_TMA)
+
+
+
+@triton.jit
+def load_held_pair(first, first_offset, first_blocks, first_stride, second, second_offset,
+                   second_blocks, second_stride, start, batch, head, num_rows,
+                   HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr, WANT_SECOND: tl.constexpr):
+    """The two blocks of rows from ``start`` that a backward program holds for its whole
+    loop (K and V, or Q and dO), each ``offset`` elements into its array and read once
+    (``held_block_source``). Without ``WANT_SECOND`` (dV alone needs no V) the second is
+    not read: the first stands in for it."""
+    offs_row = tl.arange(0, BLOCK_ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    first_source = held_block_source(first, first_offset, first_blocks, batch, head, num_rows,
+                                     first_stride, HEAD_DIM, BLOCK_ROWS, BLOCK_D, HOLD_TMA,
+                                     HOST_TMA)
+    if WANT_SECOND:
+        second_source = held_block_source(second, second_offset, second_blocks, batch, head,
+                                          num_rows, second_stride, HEAD_DIM, BLOCK_ROWS,
+                                          BLOCK_D, HOLD_TMA, HOST_TMA)
+    first_block = load_block(first_source, start, offs_row, offs_d, first_stride, num_rows,
+                             HEAD_DIM, BLOCK_D, True, HOLD_TMA, HOST_TMA)
+    second_block = first_block
+    if WANT_SECOND:
+        second_block = load_block(second_source, start, offs_row, offs_d, second_stride,
+                                  num_rows, HEAD_DIM, BLOCK_D, True, HOLD_TMA, HOST_TMA)
+    return first_block, second_block
 
 
 @triton.jit
@@ -330,6 +371,17 @@ def query_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right,
     full_lo = tl.where(split, full_lo, lo)
     full_hi = tl.where(split, full_hi, lo)
     return lo, full_lo, full_hi, hi
+
+@triton.jit
+def block_run(run: tl.constexpr, lo, full_lo, full_hi, hi):
+    """[first, last) of run ``run`` (0, 1, 2) of a loop over the blocks ``key_blocks`` or
+    ``query_blocks`` bound: masked, unmasked, masked. Each run is its own specialised loop."""
+    if run == 0:
+        return lo, full_lo
+    elif run == 1:
+        return full_lo, full_hi
+    else:
+        return full_hi, hi
 
 
 @triton.jit

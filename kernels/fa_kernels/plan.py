@@ -952,6 +952,13 @@ def _named(array: str, strides: tuple, axes: str) -> dict:
     return {f"stride_{array}{axis}": stride for axis, stride in zip(axes, strides)}
 
 
+def _unused(*arrays: str) -> tuple:
+    """Placeholders for outputs a launch's kernel takes and never writes (the other
+    backward pass's, a bias gradient nobody asked for): one float each, named apart from
+    the arrays they stand in for."""
+    return tuple(Output(f"unused_{array}", (1,), "float32") for array in arrays)
+
+
 def _feature_constexprs(p: AttentionProblem) -> dict:
     return dict(GROUP_SIZE=p.group_size, LIMIT_LEFT=p.window_left >= 0,
                 LIMIT_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
@@ -1213,20 +1220,23 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                           held=(k_st, v_st), host=host, device=device_descriptors,
                           flat_held=flat_held("k", "v"))
     dkdv = Launch(
-        kernel="attention_backward_dkdv",
+        kernel="attention_backward",
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
         inputs=BACKWARD_INPUTS,
-        scalars=dict(common_scalars, **_named("dk", dkv_st, "bnh"), **_named("dv", dkv_st, "bnh")),
+        scalars=dict(common_scalars, **_named("dk", dkv_st, "bnh"), **_named("dv", dkv_st, "bnh"),
+                     **_named("dq", (0, 0, 0), "bmh"), **_named("db", (0, 0, 0), "bhm")),
         # Key rows no sequence uses (past seqused_k, or between packed sequences) get 0.
         outputs=(Output("dk", p.kv_shape, p.dtype, zeroed=p.varlen or p.seqused_k),
-                 Output("dv", p.kv_shape, p.dtype, zeroed=p.varlen or p.seqused_k)),
-        constexprs=constexprs(kv, **kv_flags, DKDV_PARTS=parts),
+                 Output("dv", p.kv_shape, p.dtype, zeroed=p.varlen or p.seqused_k),
+                 *_unused("dq", "dbias")),
+        constexprs=constexprs(kv, **kv_flags, HAS_DBIAS=False, DKDV_PARTS=parts,
+                              DQ_PASS=False),
         num_warps=kv.num_warps,
         num_stages=kv.num_stages,
         blocks=blocks(kv_flags, ("q", "dout"), kv.block_m, kv.block_n),
     )
     dbias = (Output("dbias", p.dbias_shape, "float32", zeroed=True) if bias_grad
-             else Output("dbias", (1,), "float32"))
+             else _unused("dbias")[0])
     dbias_st = contiguous_strides(p.dbias_shape)[:3] if bias_grad else (0, 0, 0)
     qc = tile_config("dq", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
                      bias_item=p.bias_item, bias_grad=bias_grad, causal=p.causal,
@@ -1235,13 +1245,14 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                          held=(q_st, do_st), host=host, device=device_descriptors,
                          flat_held=flat_held("q", "dout"))
     dq = Launch(
-        kernel="attention_backward_dq",
+        kernel="attention_backward",
         grid=(_cdiv(p.seqlen_q, qc.block_m), p.heads_q, p.batch),
         inputs=BACKWARD_INPUTS,
-        scalars=dict(common_scalars, **_named("dq", dq_st, "bmh"),
+        scalars=dict(common_scalars, **_named("dk", (0, 0, 0), "bnh"),
+                     **_named("dv", (0, 0, 0), "bnh"), **_named("dq", dq_st, "bmh"),
                      **_named("db", dbias_st, "bhm")),
-        outputs=(Output("dq", p.q_shape, p.dtype, zeroed=p.varlen), dbias),
-        constexprs=constexprs(qc, HAS_DBIAS=bias_grad, **q_flags),
+        outputs=(*_unused("dk", "dv"), Output("dq", p.q_shape, p.dtype, zeroed=p.varlen), dbias),
+        constexprs=constexprs(qc, **q_flags, HAS_DBIAS=bias_grad, DKDV_PARTS=1, DQ_PASS=True),
         num_warps=qc.num_warps,
         num_stages=qc.num_stages,
         blocks=blocks(q_flags, ("k", "v"), qc.block_m, qc.block_n),

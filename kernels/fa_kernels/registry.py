@@ -6,11 +6,7 @@ if runtime.interpreting():
 
     interpreter.apply()
 
-from .backward import (  # noqa: E402
-    attention_backward_dkdv,
-    attention_backward_dq,
-    attention_backward_preprocess,
-)
+from .backward import attention_backward, attention_backward_preprocess  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from .forward import attention_forward, attention_forward_combine  # noqa: E402
 
@@ -18,8 +14,7 @@ KERNELS = {
     "attention_forward": attention_forward,
     "attention_forward_combine": attention_forward_combine,
     "attention_backward_preprocess": attention_backward_preprocess,
-    "attention_backward_dkdv": attention_backward_dkdv,
-    "attention_backward_dq": attention_backward_dq,
+    "attention_backward": attention_backward,
     "dropout_mask": dropout_mask,
 }
 
