@@ -996,8 +996,10 @@ def pack_gqa(problem: AttentionProblem) -> bool:
 def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
     """Split-KV: how many slices of the keys to give each query block, so that a grid of
     ``programs`` fills ``num_sms`` multiprocessors (two programs each). flash-attn's
-    rule: no split once the grid fills 80% of the slots; else the fewest splits whose
-    wave efficiency is within 85% of the best, with at least two key blocks a split."""
+    rule, tightened: no split once the grid fills 80% of the slots; else the fewest
+    splits whose wave efficiency is within 95% of the best (flash-attn: 85%), with at
+    least two key blocks a split. A decode step is one wave: at 85% a part of the SMs
+    runs one program where the rest run two, and idles for the last part of the step."""
     if num_sms is None or num_sms < 1 or programs < 1:
         return 1
     slots = 2 * num_sms
@@ -1014,7 +1016,7 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
             waves = programs * splits / slots
             efficiency[splits] = waves / math.ceil(waves)
     best = max(efficiency.values())
-    return min(s for s, e in efficiency.items() if e >= 0.85 * best)
+    return min(s for s, e in efficiency.items() if e >= 0.95 * best)
 
 
 # A plan is a pure function of a validated problem, the device and the strides (all
