@@ -81,6 +81,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 _LAST_PACKED: list = [None, None, None]  # [weakref to a mask, its version, its cu_seqlens]
+_CHECK_ELEMENTS = 1 << 26  # elements of the expected mask built at once
 
 
 def _packed_sequences(mask: torch.Tensor, window_left: int) -> torch.Tensor | None:
@@ -102,10 +103,15 @@ def _packed_sequences(mask: torch.Tensor, window_left: int) -> torch.Tensor | No
     starts = torch.ones(batch, seqlen, dtype=torch.bool, device=mask.device)
     starts[:, 1:] = ~visible[:, rows[1:], rows[:-1]]
     sequence = starts.cumsum(1)
-    expected = (sequence[:, :, None] == sequence[:, None, :]) \
-        & window_visible(rows[None, :] - rows[:, None], window_left, 0)
+    # Compared a slab of rows at a time: the mask expected is as large as the mask.
+    chunk = max(1, _CHECK_ELEMENTS // (batch * seqlen))
+    exact = all(torch.equal((sequence[:, lo:lo + chunk, None] == sequence[:, None, :])
+                            & window_visible(rows[None, :] - rows[lo:lo + chunk, None],
+                                             window_left, 0),
+                            visible[:, lo:lo + chunk])
+                for lo in range(0, seqlen, chunk))
     cu_seqlens = None
-    if torch.equal(expected, visible):
+    if exact:
         firsts = starts.flatten().nonzero()[:, 0]
         cu_seqlens = torch.cat([firsts, firsts.new_tensor([batch * seqlen])]).int()
     _LAST_PACKED[:] = [weakref.ref(mask), mask._version, cu_seqlens]

@@ -132,7 +132,9 @@ def test_packed_sequences_match_and_run_as_varlen(name, monkeypatch):
         torch.testing.assert_close(our_grads[n], their_grads[n], atol=2e-5, rtol=1e-3, msg=n)
 
 
-def test_packed_sequences_are_read_only_off_an_exact_mask():
+@pytest.mark.parametrize("check_elements", [1 << 26, 16])  # one slab, or a row or two a slab
+def test_packed_sequences_are_read_only_off_an_exact_mask(check_elements, monkeypatch):
+    monkeypatch.setattr(fa_transformers, "_CHECK_ELEMENTS", check_elements)
     positions = torch.arange(8)
     causal = positions[None, :] <= positions[:, None]
     sequence = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
