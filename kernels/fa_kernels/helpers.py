@@ -54,7 +54,6 @@ def aligned(stride, STRIDES_ALIGNED: tl.constexpr):
     return stride
 
 
-
 @triton.jit
 def aligned_strides(stride_b, stride_row, stride_h, STRIDES_ALIGNED: tl.constexpr):
     """``aligned`` for one array's (batch, row, head) strides."""
@@ -66,6 +65,7 @@ def aligned_strides(stride_b, stride_row, stride_h, STRIDES_ALIGNED: tl.constexp
 def tile_offsets(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """A program's offsets along query rows, key rows and the head dimension."""
     return tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+
 
 @triton.jit
 def load_tile(base, offs_row, offs_d, stride_row, num_rows,
@@ -148,7 +148,6 @@ def held_block_source(array, offset, blocks, batch, head, num_rows, stride_row,
                 tl.cast(offset % stride_row, tl.int32))
     return block_source(array + offset, blocks, batch, head, num_rows, stride_row, HEAD_DIM,
                         BLOCK_ROWS, BLOCK_D, HOLD_TMA, HOST_TMA)
-
 
 
 @triton.jit
@@ -371,6 +370,7 @@ def query_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right,
     full_lo = tl.where(split, full_lo, lo)
     full_hi = tl.where(split, full_hi, lo)
     return lo, full_lo, full_hi, hi
+
 
 @triton.jit
 def block_run(run: tl.constexpr, lo, full_lo, full_hi, hi):
