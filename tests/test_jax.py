@@ -31,8 +31,9 @@ def test_value_and_grad_matches_reference():
     value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
     leaves = [torch.from_numpy(np.asarray(x, np.float64)).requires_grad_() for x in (q, k, v)]
     out, _ = attention_reference(*leaves, causal=True)
-    (out ** 2).sum().backward()
-    np.testing.assert_allclose(value, float((out ** 2).sum()), rtol=1e-5)
+    reference_loss = (out ** 2).sum()
+    reference_loss.backward()
+    np.testing.assert_allclose(value, reference_loss.item(), rtol=1e-5)
     for g, leaf in zip(grads, leaves):
         np.testing.assert_allclose(np.asarray(g), leaf.grad.numpy(), atol=1e-4, rtol=1e-4)
 
