@@ -3,14 +3,18 @@
 #           torch 2.13.0 CPU build)
 #   newest  Python 3.12, constraints-newest.txt (triton 3.9, jax 0.12, jax-triton 0.4.1,
 #           torch 2.15.0 from PyPI)
-# Sets stack, python_version, constraints, venv_suffix and pip_env (a command prefix).
+# Sets stack, python_version, constraints, venv_suffix, pip_env (a command prefix) and
+# cpu_torch (a torch build plain PyPI does not serve, installed first; empty for none).
 stack="${FA_STACK:-oldest}"
 case "$stack" in
-  oldest) python_version=3.11; constraints=constraints-oldest.txt; venv_suffix=""; pip_env=() ;;
+  oldest) python_version=3.11; constraints=constraints-oldest.txt; venv_suffix=""; pip_env=()
+          # PyPI's torch 2.13.0 is the CUDA build, which pins triton 3.7.1: the CPU build
+          # (no Triton pin) comes from the machine's wheels, else from PyTorch's own index.
+          cpu_torch="torch==2.13.0+cpu" ;;
   newest) python_version=3.12; constraints=constraints-newest.txt; venv_suffix="-newest"
           # Machines here cap torch at the release on their disk (/etc/xdg/pip); this set
           # is plain PyPI's, so pip reads no machine-wide config for it.
-          pip_env=(env PIP_CONFIG_FILE=/dev/null) ;;
+          pip_env=(env PIP_CONFIG_FILE=/dev/null); cpu_torch="" ;;
   *) echo "FA_STACK is '$stack'; expected oldest or newest" >&2; exit 1 ;;
 esac
 
