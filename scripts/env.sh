@@ -50,9 +50,10 @@ else
     echo "env.sh: creating $(basename "$venv") (Python $python_version) and installing $constraints;" \
          "pip's progress follows (a few minutes the first time)" >&2
     [ -x "$py" ] || "$(find_python)" -m venv "$venv" >&2
-    if [ -n "$cpu_torch" ] && ! "${pip_env[@]}" "$py" -m pip install -q -c "$constraints" "$cpu_torch" 2>/dev/null; then
+    # torch alone first (its dependencies come with the rest, under the constraints)
+    if [ -n "$cpu_torch" ] && ! "${pip_env[@]}" "$py" -m pip install -q --no-deps "$cpu_torch" 2>/dev/null; then
       echo "env.sh: no $cpu_torch on this machine's indexes; installing it from PyTorch's CPU index" >&2
-      "${pip_env[@]}" "$py" -m pip install -q -c "$constraints" \
+      "${pip_env[@]}" "$py" -m pip install -q --no-deps \
         --extra-index-url https://download.pytorch.org/whl/cpu "$cpu_torch" >&2
     fi
     "${pip_env[@]}" "$py" -m pip install --progress-bar off -c "$constraints" setuptools wheel \
