@@ -4,6 +4,7 @@ downloads), trained on Shakespeare's Sonnets through ``attn_implementation="fa_t
 
     python examples/transformers_lm.py                       # our attention; tiny on the CPU
     python examples/transformers_lm.py --attention native    # transformers' sdpa, to compare
+    python examples/transformers_lm.py --attention eager     # transformers' eager attention
     python examples/transformers_lm.py --size gpu --steps 300
 
 Every batch is left-padded, as batches for a decoder usually are: each sequence starts
@@ -39,7 +40,7 @@ from torch_lm import adamw_step  # noqa: E402
 
 PAD = 0  # byte 0 never occurs in the text
 IGNORE = -100  # labels the loss skips (torch's and transformers' ignore_index)
-IMPLEMENTATIONS = {"ours": fa_torch.transformers.NAME, "native": "sdpa"}
+IMPLEMENTATIONS = {"ours": fa_torch.transformers.NAME, "native": "sdpa", "eager": "eager"}
 
 
 def llama_config(config: LMConfig) -> transformers.LlamaConfig:
@@ -121,7 +122,7 @@ def train(config: LMConfig, attention: str = "ours", seed: int = 0, quiet: bool 
 
 
 def main(argv=None):
-    args, config = command_line(__doc__, ["ours", "native"], argv)
+    args, config = command_line(__doc__, ["ours", "native", "eager"], argv)
     losses, val_loss, seconds = train(config, args.attention, args.seed)
     report("transformers_lm", args.attention, config, losses, val_loss, seconds)
     return losses

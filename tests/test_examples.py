@@ -30,8 +30,13 @@ def test_ours_trains_like_native(example):
     module = load(example)
     common = load("lm_common")
     config = short(common.SIZES["tiny"])
+    # On the GPU torch's SDPA (transformers' "native" sdpa) takes cuDNN for the left-padded
+    # bf16 batches, whose gradient is NaN where a pad row sees no key: after the first
+    # update every weight is NaN (NOTES 34). transformers' eager attention is the reference
+    # there; its math and memory-efficient SDPA backends give the same curve.
+    reference = "eager" if example == "transformers_lm" and not runtime.interpreting() else "native"
     ours, ours_val, _ = module.train(config, "ours", seed=3, quiet=True)
-    native, native_val, _ = module.train(config, "native", seed=3, quiet=True)
+    native, native_val, _ = module.train(config, reference, seed=3, quiet=True)
     # The same model, data and seed: the curves agree to rounding (fp32 on the CPU, bf16
     # compute on the GPU), and fall.
     rtol = 2e-4 if runtime.interpreting() else 2e-2
