@@ -31,8 +31,8 @@ def test_ours_trains_like_native(example):
     common = load("lm_common")
     config = short(common.SIZES["tiny"])
     # On the GPU torch's SDPA (transformers' "native" sdpa) takes cuDNN for the left-padded
-    # bf16 batches, whose gradient is NaN where a pad row sees no key: after the first
-    # update every weight is NaN (NOTES 34). transformers' eager attention is the reference
+    # bf16 batches, which gives NaN where a pad row sees no key: after the first update
+    # every weight is NaN (NOTES 34). transformers' eager attention is the reference
     # there; its math and memory-efficient SDPA backends give the same curve.
     reference = "eager" if example == "transformers_lm" and not runtime.interpreting() else "native"
     ours, ours_val, _ = module.train(config, "ours", seed=3, quiet=True)
