@@ -7,18 +7,22 @@ halved when causal; forward+backward counts 3.5x the forward. Each time is the m
 of many runs after warm-up, on random inputs.
 
     python benchmarks/bench.py [--quick] [--window W]... [--peers a,b] [--memory]
+                               [--warp-specialize]
                                [--shape B,S,Hq,Hk,D,causal | B,Sq,Sk,Hq,Hk,D,causal]...
                                [--out benchmarks]            # RESULTS.md, bench.png
 
 With ``--window W`` (repeatable) fa_torch and fa_jax are also timed with a sliding
 window; their TFLOP/s still count the dense FLOPs, so a rising number means falling
 time. ``--peers`` keeps only the peers whose names contain one of the given words
-(fa_torch and fa_jax always run). ``--memory`` adds a table of peak device memory of
+(fa_torch and fa_jax always run). ``--warp-specialize`` adds fa_torch (and fa_jax where
+jax-triton takes host descriptors) with attention_forward_ws, the one-loop forward for
+Triton's Hopper warp specialisation, wherever it serves. ``--memory`` adds a table of peak device memory of
 forward+backward against the sequence length (it must grow linearly).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -316,6 +320,31 @@ def memory_table(seqlens=(8192, 16384, 32768, 65536), heads=16, head_dim=128):
     return "\n".join(lines) + "\n"
 
 
+WARP_SPECIALIZED = " ws"  # the name's ending of an impl timed with attention_forward_ws
+
+
+def add_warp_specialized_impls(t_impls, j_impls):
+    """fa_torch, and fa_jax where its jax-triton takes host descriptors (0.4), again under
+    the name ending WARP_SPECIALIZED: timed with every forward entry asking for
+    attention_forward_ws (``tables_for``)."""
+    from fa_jax import _launch as jax_launch
+
+    t_impls["fa_torch" + WARP_SPECIALIZED] = t_impls["fa_torch"]
+    if jax_launch.jax_triton_release().host_descriptors and "fa_jax" in j_impls:
+        j_impls["fa_jax" + WARP_SPECIALIZED] = j_impls["fa_jax"]
+
+
+def tables_for(name):
+    """The tables an impl is timed with: for a WARP_SPECIALIZED name, the forward entries
+    with ``warp_specialize`` (one override around all its calls: the plans are made once
+    and cached, as with the table's own entries)."""
+    from fa_kernels import configs
+
+    if name.endswith(WARP_SPECIALIZED):
+        return configs.override(("forward",), warp_specialize=True)
+    return contextlib.nullcontext()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
@@ -326,6 +355,9 @@ def main():
                         help="also time fa_torch/fa_jax with window_size=(W, W) (W, 0 causal)")
     parser.add_argument("--peers", default="",
                         help="comma-separated words: keep only peers whose name has one")
+    parser.add_argument("--warp-specialize", action="store_true",
+                        help="also time fa_torch (and fa_jax where jax-triton takes host "
+                             "descriptors) with attention_forward_ws where it serves")
     parser.add_argument("--memory", action="store_true",
                         help="also report peak memory of fwd+bwd at S = 8k..64k")
     parser.add_argument("--dtype", default="bfloat16")
@@ -344,6 +376,8 @@ def main():
         j_impls = {n: v for n, v in j_impls.items() if keep(n)}
     for w in args.window:
         add_window_impls(t_impls, j_impls, w)
+    if args.warp_specialize:
+        add_warp_specialized_impls(t_impls, j_impls)
 
     chosen = [parse_shape(spec) for spec in args.shape] or shapes(args.quick)
     work = [(s, m) for s in chosen for m in modes]
@@ -352,14 +386,16 @@ def main():
         result = {}
         for name, (fn, layout) in t_impls.items():
             try:
-                result[name] = run_torch_impl(fn, layout, shape, dtype, causal, mode,
-                                              loop=name == "fa_torch")
+                with tables_for(name):
+                    result[name] = run_torch_impl(fn, layout, shape, dtype, causal, mode,
+                                                  loop=name == "fa_torch")
             except Exception as exc:  # noqa: BLE001  (a peer that cannot run this shape)
                 print(f"{name} {shape} {mode}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
         for name, fn in j_impls.items():
             try:
-                result[name] = run_jax_impl(fn, shape, dtype, causal, mode,
-                                            jitted=name == "fa_jax")
+                with tables_for(name):
+                    result[name] = run_jax_impl(fn, shape, dtype, causal, mode,
+                                                jitted=name == "fa_jax")
             except Exception as exc:  # noqa: BLE001
                 print(f"{name} {shape} {mode}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
         f = flops(b, hq, sq, sk, d, causal, mode)

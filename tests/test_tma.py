@@ -290,3 +290,109 @@ def test_descriptors_only_where_they_apply():
             assert flags["USE_TMA"] == on and flags["BLOCK_M"] == 128
             forced = fa_plan.forward_plan(problem, capability=capability, tma=True).launch
             assert forced.constexprs["USE_TMA"] == on
+
+
+# attention_forward_ws: the one-loop forward Triton's Hopper warp specialisation takes
+# (plain scores; Q, K and V through host descriptors). The tables leave it off until
+# measured; these tests turn it on.
+WARP_SPECIALIZED = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window)
+    "even-keys": (2, 128, 256, 2, 2, 64, False, (-1, -1)),
+    "odd-lengths-gqa": (1, 150, 203, 4, 2, 64, False, (-1, -1)),
+    "causal-gqa": (2, 130, 257, 4, 1, 32, True, (-1, -1)),
+    "window": (1, 140, 190, 2, 2, 64, False, (40, 25)),
+}
+
+
+@pytest.fixture
+def warp_specialized_table(replace_entries):
+    replace_entries(("forward",), tma=True, warp_specialize=True)
+
+
+def _warp_specialized_problem(case, dtype="bfloat16"):
+    batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = WARP_SPECIALIZED[case]
+    if ON_GPU:  # GPU-sized lengths, so that each half sees many key blocks
+        seqlen_q, seqlen_k = seqlen_q * 4, seqlen_k * 4
+    q_shape = (batch, seqlen_q, heads_q, head_dim)
+    kv_shape = (batch, seqlen_k, heads_k, head_dim)
+    return fa_plan.check_problem(q_shape, kv_shape, kv_shape, dtype, dtype, dtype,
+                                 causal=causal, window_size=window)
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("case", WARP_SPECIALIZED)
+def test_warp_specialized_forward_against_reference(warp_specialized_table, run, case):
+    problem = _warp_specialized_problem(case)
+    assert fa_plan.forward_plan(problem, capability=CAPABILITY).launch.kernel == \
+        "attention_forward_ws"
+    batch, seqlen_q, heads_q, head_dim = problem.q_shape
+    causal, window = WARP_SPECIALIZED[case][-2:]
+    check_against_reference(run, batch, seqlen_q, problem.seqlen_k, heads_q, problem.heads_k,
+                            head_dim, "bfloat16", causal, window_size=window)
+
+
+@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@pytest.mark.parametrize("case", WARP_SPECIALIZED)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_warp_specialized_forward_against_the_plain_kernel(case, dtype):
+    # The same key blocks in the same order and the same operations as attention_forward:
+    # only the matmuls' tiles differ (two halves), which may round a sum's last bit. Both
+    # front ends launch the same kernel: the same bits.
+    problem = _warp_specialized_problem(case, dtype)
+    q, k, v = random_qkv(problem.batch, problem.seqlen_q, problem.seqlen_k, problem.heads_q,
+                         problem.heads_k, problem.head_dim, dtype, seed=5)
+    plain = fa_plan.forward_plan(problem, capability=CAPABILITY, tma=True)
+    ws = fa_plan.forward_plan(problem, capability=CAPABILITY, tma=True, warp_specialize=True)
+    assert (plain.launch.kernel, ws.launch.kernel) == ("attention_forward", "attention_forward_ws")
+    assert ws.launch.constexprs["BLOCK_N"] == plain.launch.constexprs["BLOCK_N"]
+    out, lse = forward_plan_torch(plain, launch_arrays(q, k, v))
+    ws_out, ws_lse = forward_plan_torch(ws, launch_arrays(q, k, v))
+    unit = torch.finfo(out.dtype).eps
+    assert (ws_out.float() - out.float()).abs().max().item() <= unit * out.abs().max().item()
+    torch.testing.assert_close(ws_lse, lse, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+    from fa_jax import _launch as jax_launch
+
+    if ON_GPU and not jax_launch.jax_triton_release().host_descriptors:
+        return  # (jax-triton 0.3.1 takes no host descriptors: fa_jax keeps attention_forward)
+    j_out, j_lse = forward_plan_jax(ws, launch_arrays(q, k, v))
+    assert torch.equal(ws_out.cpu(), j_out) and torch.equal(ws_lse.cpu(), j_lse)
+
+
+@pytest.mark.parametrize("capability", [None, (9, 0)])
+def test_warp_specialized_forward_only_where_it_serves(capability):
+    # Plain scores through host descriptors, on Hopper or the interpreter: everything
+    # else (options, varlen, split or packed decode, fp32, sm_80, no host descriptors)
+    # keeps attention_forward, and so does the table while its entries leave it off.
+    shape, kv = (2, 1024, 4, 128), (2, 1024, 2, 128)
+
+    def kernel(q=shape, k=kv, dtype="bfloat16", capability=capability, plan={}, **options):
+        problem = fa_plan.check_problem(q, k, k, dtype, dtype, dtype, **options)
+        launch = fa_plan.forward_plan(problem, capability=capability, tma=True,
+                                      **{"warp_specialize": True, **plan}).launch
+        return launch.kernel[len("attention_forward"):] or "plain"
+
+    assert kernel() == kernel(causal=True) == kernel(window_size=(100, 0)) == "_ws"
+    assert kernel(softcap=30.0) == kernel(dropout_p=0.1) == "plain"
+    assert kernel(alibi_shape=(4,), alibi_dtype="float32") == "plain"
+    assert kernel(bias_shape=(2, 4, 1024, 1024), bias_dtype="bfloat16") == "plain"
+    assert kernel(dtype="float32") == kernel(q=(2, 1024, 4, 96), k=(2, 1024, 2, 96)) == "plain"
+    assert kernel(plan=dict(host_descriptors=False)) == kernel(plan=dict(num_splits=2)) == "plain"
+    assert kernel(q=(2, 1, 4, 128)) == "plain"  # packed GQA decode
+    assert kernel(capability=(8, 0)) == kernel(plan=dict(warp_specialize=None)) == "plain"
+    varlen = dict(cu_seqlens_q_shape=(3,), cu_seqlens_k_shape=(3,), cu_seqlens_q_dtype="int32",
+                  cu_seqlens_k_dtype="int32", max_seqlen_q=512, max_seqlen_k=512)
+    assert kernel(q=(1024, 4, 128), k=(1024, 2, 128), varlen=varlen) == "plain"
+    if capability is not None:  # a half tile of 64 rows at least (wgmma's rows)
+        assert kernel(q=(2, 64, 2, 128)) == "plain"
+
+
+def test_warp_specialized_entries_keep_the_forward_key_blocks():
+    # Each attention_forward_ws tile reads the key blocks of the forward entry it stands
+    # in for (the same sums in the same order), with 4 warps (what the pass takes) and
+    # within the H200's shared memory.
+    for (kernel, block_d), ws in configs._GPU_16BIT.items():
+        if kernel != "forward_ws":
+            continue
+        assert ws.block_n == configs._GPU_16BIT[("forward", block_d)].block_n
+        assert ws.num_warps == 4 and ws.block_m == 128
+        assert configs.shared_memory("forward_ws", ws, block_d, 2) <= \
+            configs.shared_memory_limit((9, 0))

@@ -39,6 +39,12 @@ class TileConfig:
     # so five matmuls where one program does four). Pays where one program cannot hold
     # both fp32 accumulators without spilling (D = 256).
     apart: bool = False
+    # Forward only: problems with plain scores (no softcap, bias, ALiBi or dropout, not
+    # varlen, paged or split) go to attention_forward_ws, the one-loop forward that
+    # Triton's Hopper warp specialisation splits into producer and consumer warpgroups,
+    # with the ("forward_ws", block_d) entry's tile (two query halves of block_m / 2 rows;
+    # its block_n the forward entry's: the same key blocks in the same order).
+    warp_specialize: bool = False
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
@@ -52,6 +58,11 @@ _GPU_16BIT = {
     ("forward", 64): TileConfig(64, 128, 4, 2, tma=True),
     ("forward", 128): TileConfig(128, 64, 4, 2, tma=True),
     ("forward", 256): TileConfig(128, 64, 8, 2, tma=True),
+    # attention_forward_ws: 4 warps (a producer and two consumer warpgroups of 4 warps
+    # each once specialised); the stages that fit the shared memory (NOTES 35).
+    ("forward_ws", 64): TileConfig(128, 128, 4, 3, tma=True),
+    ("forward_ws", 128): TileConfig(128, 64, 4, 3, tma=True),
+    ("forward_ws", 256): TileConfig(128, 64, 4, 2, tma=True),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
     ("dkdv", 64): TileConfig(64, 64, 4, 3, tma=True, hold_tma=False),
@@ -194,6 +205,7 @@ def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_it
     (``fa_kernels.offline``) matches it within a few hundred bytes for the forward and
     dQ and stays below it for dK/dV."""
     held_rows, streamed_rows = {"forward": (cfg.block_m, 2 * cfg.block_n),
+                                "forward_ws": (cfg.block_m, 2 * cfg.block_n),
                                 "dq": (2 * cfg.block_m, 2 * cfg.block_n),
                                 "dkdv": (2 * cfg.block_n, 2 * cfg.block_m)}.get(kernel, (0, 0))
     if held_rows == 0:
@@ -229,7 +241,8 @@ def override(kernels: tuple = (), entries: dict | None = None, **fields):
     * ``entries``: ``{(kernel, block_d, dtype): TileConfig}``, what a GPU gets for that
       kernel, padded head dim and dtype in place of every table's entry;
     * ``fields`` (``tma=True``, ``apart=True``, ``num_stages=2``...): set on every entry
-      of ``kernels`` ("forward", "dkdv", "dq", "preprocess"), the interpreter's too.
+      of ``kernels`` ("forward", "forward_ws", "dkdv", "dq", "preprocess"), the
+      interpreter's too.
 
     The tile is then fitted to the sequence and the device as usual. Plans made before
     are dropped on entry and on exit."""

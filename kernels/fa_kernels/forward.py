@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from .helpers import (aligned, aligned_strides, block_run, block_source, dropout_keep, final_lse,
-                      kernel, key_blocks, load_kv_block, load_rows, load_seed, load_tile,
-                      paged_source, scores, sequence_bounds, softmax_step, split_blocks,
-                      store_rows, store_tile, tile_offsets, visible)
+                      kernel, key_blocks, load_block, load_kv_block, load_rows, load_seed,
+                      load_tile, paged_source, scores, sequence_bounds, softmax_step,
+                      split_blocks, store_rows, store_tile, tile_offsets, visible)
 
 
 @triton.jit
@@ -265,3 +265,99 @@ def attention_forward_combine(
     tl.store(LSE + lse_rows, lse, mask=rows < seqlen_q)
     if HAS_BIAS:
         tl.store(LSELo + lse_rows, lse_lo, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _fold(acc, m_i, l_i, q, k, v, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left,
+          window_right, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr,
+          MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """_attend's plain-score step on blocks already loaded (one K and V block serves both
+    halves of attention_forward_ws's tile)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        s = tl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
+                             window_right, LIMIT_LEFT, LIMIT_RIGHT), s, float("-inf"))
+    m_i, l_i, p, alpha = softmax_step(m_i, l_i, s, qk_scale, MASKED, True, False)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_half(Out, LSE, acc, m_i, l_i, o_base, lse_base, row0, rows, offs_m, offs_d,
+                stride_om, seqlen_q, HEAD_DIM: tl.constexpr):
+    """Write one half tile's output rows and LSE, as attention_forward does."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse, _ = final_lse(m_i, l_i, False)
+    store_tile(Out + o_base + tl.cast(row0, tl.int64) * stride_om, out, offs_m, offs_d,
+               stride_om, seqlen_q - row0, HEAD_DIM, HEAD_DIM)
+    tl.store(LSE + lse_base + rows, lse, mask=rows < seqlen_q)
+
+
+@kernel
+def attention_forward_ws(
+    Q, K, V, QBlocks, KBlocks, VBlocks,
+    qk_scale, window_left, window_right, seqlen_q, seqlen_k,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    Out, LSE, LSELo,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+):
+    """attention_forward's plain path (scores q·k only: no softcap, bias, ALiBi, dropout,
+    varlen, paging or split) in the shape Triton's Hopper warp specialisation takes
+    (benchmarks/NOTES.md 35): one loop, 4 warps, every block into a matmul through a
+    descriptor made on the host. The compiler then gives the loads to a producer
+    warpgroup and the rows to two consumer warpgroups (FA3's shape), so one block's
+    softmax runs while the other's matmuls do. The pass cannot split a host descriptor's
+    block, so the tile's rows come as two halves with a running max, sum and accumulator
+    each; and one loop means no unmasked run: with a window or keys that end inside a
+    block, every block is masked (a select on scores the unmasked blocks keep).
+
+    The same blocks in the same order with the same operations as attention_forward
+    with this BLOCK_N; only the matmuls' tiles differ, which may round the last bit of
+    a sum otherwise."""
+    stride_ob, stride_om, stride_oh = aligned_strides(stride_ob, stride_om, stride_oh, STRIDES_ALIGNED)
+    HALF: tl.constexpr = BLOCK_M // 2
+    row_lo = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    head_k = head // GROUP_SIZE
+    offs_m, offs_n, offs_d = tile_offsets(HALF, BLOCK_N, HEAD_DIM)
+    rows_a = row_lo + offs_m
+    rows_b = rows_a + HALF
+    q_source = (QBlocks, batch, head)
+    q_a = load_block(q_source, row_lo, offs_m, offs_d, 0, seqlen_q, HEAD_DIM, HEAD_DIM, False,
+                     True, True)
+    q_b = load_block(q_source, row_lo + HALF, offs_m, offs_d, 0, seqlen_q, HEAD_DIM, HEAD_DIM,
+                     False, True, True)
+    k_source = (KBlocks, batch, head_k)
+    v_source = (VBlocks, batch, head_k)
+
+    m_a = tl.full([HALF], float("-inf"), tl.float32)
+    l_a = tl.zeros([HALF], tl.float32)
+    acc_a = tl.zeros([HALF, HEAD_DIM], tl.float32)
+    m_b, l_b, acc_b = m_a, l_a, acc_a
+    lo, _, _, hi = key_blocks(row_lo, row_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                              window_right, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+        cols = start_n + offs_n
+        k = load_block(k_source, start_n, offs_n, offs_d, 0, seqlen_k, HEAD_DIM, HEAD_DIM,
+                       False, True, True)
+        v = load_block(v_source, start_n, offs_n, offs_d, 0, seqlen_k, HEAD_DIM, HEAD_DIM,
+                       False, True, True)
+        acc_a, m_a, l_a = _fold(acc_a, m_a, l_a, q_a, k, v, rows_a, cols, seqlen_q, seqlen_k,
+                                qk_scale, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT,
+                                MASKED, DOT_PRECISION)
+        acc_b, m_b, l_b = _fold(acc_b, m_b, l_b, q_b, k, v, rows_b, cols, seqlen_q, seqlen_k,
+                                qk_scale, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT,
+                                MASKED, DOT_PRECISION)
+
+    batch64 = tl.cast(batch, tl.int64)
+    head64 = tl.cast(head, tl.int64)
+    o_base = batch64 * stride_ob + head64 * stride_oh
+    lse_base = batch64 * stride_lb + head64 * stride_lh
+    _store_half(Out, LSE, acc_a, m_a, l_a, o_base, lse_base, row_lo, rows_a, offs_m, offs_d,
+                stride_om, seqlen_q, HEAD_DIM)
+    _store_half(Out, LSE, acc_b, m_b, l_b, o_base, lse_base, row_lo + HALF, rows_b, offs_m,
+                offs_d, stride_om, seqlen_q, HEAD_DIM)

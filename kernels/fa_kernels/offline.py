@@ -212,6 +212,10 @@ def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
                          alibi_shape=(4,), alibi_dtype="float32"), {})
             if dtype != "float32":
                 yield f"{dtype} D={head_dim} tma", check(shape, shape), dict(tma=True)
+                yield (f"{dtype} D={head_dim} warp specialized", check(shape, shape),
+                       dict(tma=True, warp_specialize=True))
+                yield (f"{dtype} D={head_dim} warp specialized causal gqa",
+                       check(shape, gqa_kv, causal=True), dict(tma=True, warp_specialize=True))
                 yield (f"{dtype} D={head_dim} dk dv apart",
                        check(shape, gqa_kv, causal=True, softcap=30.0, dropout_p=0.1),
                        dict(apart=True))
@@ -264,7 +268,7 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
         fwd = fa_plan.forward_plan(problem, capability=capability,
                                    **{k: v for k, v in options.items() if k != "apart"})
         plans = (fwd,)
-        if not problem.paged:  # (paged K/V: forward only)
+        if not problem.paged and "warp_specialize" not in options:  # (those: forward only)
             plans += (fa_plan.backward_plan(
                 problem, capability=capability, bias_grad=problem.bias_shape is not None,
                 **{k: v for k, v in options.items() if k in ("tma", "apart")}),)
@@ -277,6 +281,9 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
                 shared = compiled.metadata.shared
                 usage = resources(compiled)
                 verdict = "ok" if shared <= limit else f"FAIL: {shared} B of shared memory > {limit}"
+                if (launch.kernel == "attention_forward_ws"
+                        and "ttg.warp_specialize" not in compiled.asm["ttgir"]):
+                    verdict = "FAIL: not warp-specialised"  # (the pass declines silently)
             except Exception as error:  # noqa: BLE001  (report every failure, then count)
                 shared, verdict = 0, f"FAIL: {type(error).__name__}: {str(error)[:300]}"
             failures += verdict != "ok"

@@ -1022,13 +1022,57 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
 # A plan is a pure function of a validated problem, the device and the strides (all
 # hashable): cache it, so that a call with a known shape does not rebuild it (tens of
 # microseconds of Python per call, which small problems would otherwise wait on).
+def _warp_specialized(p: AttentionProblem, cfg, override: bool | None, capability, flags: dict,
+                      q_st: tuple, split: bool, packed: bool) -> bool:
+    """attention_forward_ws may serve the call: the forward entry asks for it (or
+    ``override``), on Hopper (or in the interpreter), for 16-bit plain scores (no
+    softcap, bias, ALiBi or dropout) with K and V through host descriptors (so not
+    varlen, paged or with seqused_k) and Q's strides fit for one too; not split or
+    packed. Any head dim with no padding columns."""
+    wanted = cfg.warp_specialize if override is None else override
+    return (bool(wanted) and (capability is None or capability[0] == 9) and flags["HOST_TMA"]
+            and fold_scale(p) and p.dropout_p == 0 and p.dtype != "float32"
+            and p.block_d == p.head_dim and not split and not packed
+            and _descriptors_allowed(capability, p.dtype, q_st)
+            and _host_descriptors_allowed(p, True, q_st))
+
+
+def _forward_ws_launch(p: AttentionProblem, ws, q_st, k_st, v_st, o_st, l_st,
+                       outputs: tuple) -> Launch:
+    """The launch of attention_forward_ws with the tile ``ws``: Q in halves of
+    ``ws.block_m // 2`` rows, K and V in blocks of ``ws.block_n``, all three through host
+    descriptors. Every block masked where a window limits the keys or they end inside a
+    block (one loop: no unmasked run)."""
+    features = _feature_constexprs(p)
+    masked = (features["LIMIT_LEFT"] or features["LIMIT_RIGHT"]
+              or p.seqlen_k % ws.block_n != 0)
+    return Launch(
+        kernel="attention_forward_ws",
+        grid=(_cdiv(p.seqlen_q, ws.block_m), p.heads_q, p.batch),
+        inputs=("q", "k", "v"),
+        scalars=dict(qk_scale=p.softmax_scale * score_unit(p), window_left=p.window_left,
+                     window_right=p.window_right, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+                     **_named("o", o_st, "bmh"), **_named("l", l_st, "bh")),
+        outputs=outputs,
+        constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
+                        GROUP_SIZE=p.group_size, LIMIT_LEFT=features["LIMIT_LEFT"],
+                        LIMIT_RIGHT=features["LIMIT_RIGHT"], MASKED=masked,
+                        DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=_aligned(o_st)),
+        num_warps=ws.num_warps,
+        num_stages=ws.num_stages,
+        blocks=_blocks(True, p.block_d, ("q", p.q_shape, q_st, ws.block_m // 2),
+                       ("k", p.kv_shape, k_st, ws.block_n), ("v", p.kv_shape, v_st, ws.block_n)),
+    )
+
+
 @functools.lru_cache(maxsize=4096)
 def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | None,
                  q_strides: Shape | None = None, k_strides: Shape | None = None,
                  v_strides: Shape | None = None, bias_strides: Shape | None = None,
                  num_sms: int | None = None, num_splits: int | None = None,
                  tma: bool | None = None, host_descriptors: bool = True,
-                 device_descriptors: bool = True) -> ForwardPlan:
+                 device_descriptors: bool = True,
+                 warp_specialize: bool | None = None) -> ForwardPlan:
     """How to launch the forward. ``capability`` is the GPU's (major, minor), None
     for the CPU interpreter. Strides are in elements; None means contiguous.
 
@@ -1039,7 +1083,9 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     either way they need K/V strides of whole 16-byte units. Descriptors are made on the
     host where they can be (``_host_descriptors_allowed``) and ``host_descriptors``
     allows, else on the device where ``device_descriptors`` allows (that needs scratch
-    memory from the launcher), else the blocks come through pointers."""
+    memory from the launcher), else the blocks come through pointers.
+    ``warp_specialize`` overrides the table's choice of attention_forward_ws where the
+    problem allows it (``_warp_specialized``)."""
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
     k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen and not p.paged)
@@ -1071,6 +1117,12 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     results = (Output("out", p.out_shape, p.dtype, zeroed=p.varlen),
                Output("lse", p.lse_shape, "float32", zeroed=p.varlen),
                Output("lse_lo", p.lse_shape, "float32"))  # written and read with a bias only
+    if _warp_specialized(p, cfg, warp_specialize, capability, flags, q_st, split, packed):
+        ws = tile_config("forward_ws", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
+                         causal=p.causal)
+        if ws.block_m // 2 >= (16 if capability is None else 64):  # (wgmma: 64 rows)
+            return ForwardPlan(problem, _forward_ws_launch(p, ws, q_st, k_st, v_st, o_st, l_st,
+                                                           results))
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
                    Output("lse_partial", (num_splits, *p.lse_shape), "float32"),

@@ -8,11 +8,13 @@ if runtime.interpreting():
 
 from .backward import attention_backward, attention_backward_preprocess  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
-from .forward import attention_forward, attention_forward_combine  # noqa: E402
+from .forward import (attention_forward, attention_forward_combine,  # noqa: E402
+                      attention_forward_ws)
 
 KERNELS = {
     "attention_forward": attention_forward,
     "attention_forward_combine": attention_forward_combine,
+    "attention_forward_ws": attention_forward_ws,
     "attention_backward_preprocess": attention_backward_preprocess,
     "attention_backward": attention_backward,
     "dropout_mask": dropout_mask,
