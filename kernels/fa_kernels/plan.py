@@ -1019,22 +1019,24 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
     return min(s for s, e in efficiency.items() if e >= 0.95 * best)
 
 
-# A plan is a pure function of a validated problem, the device and the strides (all
-# hashable): cache it, so that a call with a known shape does not rebuild it (tens of
-# microseconds of Python per call, which small problems would otherwise wait on).
-def _warp_specialized(p: AttentionProblem, cfg, override: bool | None, capability, flags: dict,
-                      q_st: tuple, split: bool, packed: bool) -> bool:
-    """attention_forward_ws may serve the call: the forward entry asks for it (or
-    ``override``), on Hopper (or in the interpreter), for 16-bit plain scores (no
-    softcap, bias, ALiBi or dropout) with K and V through host descriptors (so not
-    varlen, paged or with seqused_k) and Q's strides fit for one too; not split or
-    packed. Any head dim with no padding columns."""
+def _warp_specialized_tile(p: AttentionProblem, cfg, override: bool | None, capability,
+                           flags: dict, q_st: tuple, split: bool, packed: bool):
+    """The ("forward_ws", D) tile when attention_forward_ws serves the call, else None: the
+    forward entry asks for it (or ``override``), on Hopper (or in the interpreter), for
+    16-bit plain scores (no softcap, bias, ALiBi or dropout) with K and V through host
+    descriptors (so not varlen, paged or with seqused_k) and Q's strides fit for one
+    too; not split or packed; no padding columns; and half tiles of 64 rows on the GPU
+    (wgmma's rows; the tile shrinks to short sequences)."""
     wanted = cfg.warp_specialize if override is None else override
-    return (bool(wanted) and (capability is None or capability[0] == 9) and flags["HOST_TMA"]
+    if not (bool(wanted) and (capability is None or capability[0] == 9) and flags["HOST_TMA"]
             and fold_scale(p) and p.dropout_p == 0 and p.dtype != "float32"
             and p.block_d == p.head_dim and not split and not packed
             and _descriptors_allowed(capability, p.dtype, q_st)
-            and _host_descriptors_allowed(p, True, q_st))
+            and _host_descriptors_allowed(p, True, q_st)):
+        return None
+    ws = tile_config("forward_ws", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
+                     causal=p.causal)
+    return ws if ws.block_m // 2 >= (16 if capability is None else 64) else None
 
 
 def _forward_ws_launch(p: AttentionProblem, ws, q_st, k_st, v_st, o_st, l_st,
@@ -1065,6 +1067,9 @@ def _forward_ws_launch(p: AttentionProblem, ws, q_st, k_st, v_st, o_st, l_st,
     )
 
 
+# A plan is a pure function of a validated problem, the device and the strides (all
+# hashable): cache it, so that a call with a known shape does not rebuild it (tens of
+# microseconds of Python per call, which small problems would otherwise wait on).
 @functools.lru_cache(maxsize=4096)
 def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | None,
                  q_strides: Shape | None = None, k_strides: Shape | None = None,
@@ -1085,7 +1090,7 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     allows, else on the device where ``device_descriptors`` allows (that needs scratch
     memory from the launcher), else the blocks come through pointers.
     ``warp_specialize`` overrides the table's choice of attention_forward_ws where the
-    problem allows it (``_warp_specialized``)."""
+    problem allows it (``_warp_specialized_tile``)."""
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
     k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen and not p.paged)
@@ -1117,12 +1122,10 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     results = (Output("out", p.out_shape, p.dtype, zeroed=p.varlen),
                Output("lse", p.lse_shape, "float32", zeroed=p.varlen),
                Output("lse_lo", p.lse_shape, "float32"))  # written and read with a bias only
-    if _warp_specialized(p, cfg, warp_specialize, capability, flags, q_st, split, packed):
-        ws = tile_config("forward_ws", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
-                         causal=p.causal)
-        if ws.block_m // 2 >= (16 if capability is None else 64):  # (wgmma: 64 rows)
-            return ForwardPlan(problem, _forward_ws_launch(p, ws, q_st, k_st, v_st, o_st, l_st,
-                                                           results))
+    ws = _warp_specialized_tile(p, cfg, warp_specialize, capability, flags, q_st, split, packed)
+    if ws is not None:
+        return ForwardPlan(problem, _forward_ws_launch(p, ws, q_st, k_st, v_st, o_st, l_st,
+                                                       results))
     if split:  # fp32 partial results, a leading split axis, merged by the combine kernel
         outputs = (Output("out_partial", (num_splits, *p.out_shape), "float32"),
                    Output("lse_partial", (num_splits, *p.lse_shape), "float32"),
