@@ -146,7 +146,9 @@ def _forward_impl(named: dict, problem=None):
                                q_strides=q.stride(), k_strides=arrays["k"].stride(),
                                v_strides=arrays["v"].stride(),
                                bias_strides=_bias_strides(arrays["bias"]),
-                               num_sms=_launch.num_sms(q.device))
+                               num_sms=_launch.num_sms(q.device),
+                               host_descriptors=_launch.starts_aligned(q, arrays["k"],
+                                                                       arrays["v"]))
     arrays["slopes"] = arrays["alibi_slopes"]  # (the kernels' name)
     for launch in fwd.launches:
         _launch.run(launch, arrays, q.device)
@@ -200,7 +202,9 @@ def _backward_impl(named: dict, problem=None):
                                 out_strides=arrays["out"].stride(),
                                 dout_strides=arrays["dout"].stride(),
                                 bias_strides=_bias_strides(bias), bias_grad=bias_grad,
-                                has_dlse=dlse is not None)
+                                has_dlse=dlse is not None,
+                                host_descriptors=_launch.starts_aligned(
+                                    q, arrays["k"], arrays["v"], arrays["dout"]))
     if dlse is not None:
         arrays["dlse"] = dlse.to(torch.float32).contiguous()
     arrays["slopes"] = arrays["alibi_slopes"]  # (the kernels' name)
