@@ -292,45 +292,60 @@ def test_descriptors_only_where_they_apply():
             assert forced.constexprs["USE_TMA"] == on
 
 
-# attention_forward_ws: the one-loop forward Triton's Hopper warp specialisation takes
-# (plain scores; Q, K and V through host descriptors). The tables leave it off until
-# measured; these tests turn it on.
+# attention_forward_ws and attention_backward_dkdv_ws: the one-loop forward and dK/dV
+# Triton's Hopper warp specialisation takes (plain scores; every block through host
+# descriptors). The tables leave them off until measured; these tests turn them on.
 WARP_SPECIALIZED = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window)
     "even-keys": (2, 128, 256, 2, 2, 64, False, (-1, -1)),
     "odd-lengths-gqa": (1, 150, 203, 4, 2, 64, False, (-1, -1)),
-    "causal-gqa": (2, 130, 257, 4, 1, 32, True, (-1, -1)),
+    "causal-gqa": (2, 130, 257, 4, 1, 64, True, (-1, -1)),
     "window": (1, 140, 190, 2, 2, 64, False, (40, 25)),
 }
 
 
-@pytest.fixture
-def warp_specialized_table(replace_entries):
-    replace_entries(("forward",), tma=True, warp_specialize=True)
+WARP_SPECIALIZED_KERNELS = pytest.mark.skipif(
+    not HOPPER or (ON_GPU and not fa_plan.WARP_SPECIALIZED_ON_GPU),
+    reason="tensor descriptors need sm_90; the warp-specialised kernels are interpreter-only "
+           "until shown right on a GPU (plan.WARP_SPECIALIZED_ON_GPU)")
+
+
+@pytest.fixture(params=["forward", "dkdv"])
+def warp_specialized_kernel(request, replace_entries):
+    """The table entry of one warp-specialised kernel turned on: (entry, kernel name)."""
+    replace_entries((request.param,), tma=True, warp_specialize=True)
+    return request.param, {"forward": "attention_forward_ws",
+                           "dkdv": "attention_backward_dkdv_ws"}[request.param]
 
 
 def _warp_specialized_problem(case, dtype="bfloat16"):
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = WARP_SPECIALIZED[case]
-    if ON_GPU:  # GPU-sized lengths, so that each half sees many key blocks
-        seqlen_q, seqlen_k = seqlen_q * 4, seqlen_k * 4
+    if ON_GPU:  # GPU-sized: each half sees many key blocks, and the programs fill the GPU
+        seqlen_q, seqlen_k, batch = seqlen_q * 4, seqlen_k * 4, batch * 16  # (else: split)
     q_shape = (batch, seqlen_q, heads_q, head_dim)
     kv_shape = (batch, seqlen_k, heads_k, head_dim)
     return fa_plan.check_problem(q_shape, kv_shape, kv_shape, dtype, dtype, dtype,
                                  causal=causal, window_size=window)
 
 
-@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@WARP_SPECIALIZED_KERNELS
 @pytest.mark.parametrize("case", WARP_SPECIALIZED)
-def test_warp_specialized_forward_against_reference(warp_specialized_table, run, case):
+def test_warp_specialized_against_reference(warp_specialized_kernel, run, case):
     problem = _warp_specialized_problem(case)
-    assert fa_plan.forward_plan(problem, capability=CAPABILITY).launch.kernel == \
-        "attention_forward_ws"
+    from fa_torch import _launch as torch_launch
+
+    # (as fa_torch plans it: with the GPU's multiprocessors, which may choose a split)
+    sms = torch_launch.num_sms(torch.device(DEVICE))
+    entry, kernel = warp_specialized_kernel
+    chosen = (fa_plan.forward_plan(problem, capability=CAPABILITY, num_sms=sms).launch
+              if entry == "forward" else fa_plan.backward_plan(problem, capability=CAPABILITY).dkdv)
+    assert chosen.kernel == kernel
     batch, seqlen_q, heads_q, head_dim = problem.q_shape
     causal, window = WARP_SPECIALIZED[case][-2:]
     check_against_reference(run, batch, seqlen_q, problem.seqlen_k, heads_q, problem.heads_k,
                             head_dim, "bfloat16", causal, window_size=window)
 
 
-@pytest.mark.skipif(not HOPPER, reason="tensor descriptors need sm_90")
+@WARP_SPECIALIZED_KERNELS
 @pytest.mark.parametrize("case", WARP_SPECIALIZED)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_warp_specialized_forward_against_the_plain_kernel(case, dtype):
@@ -357,32 +372,87 @@ def test_warp_specialized_forward_against_the_plain_kernel(case, dtype):
     assert torch.equal(ws_out.cpu(), j_out) and torch.equal(ws_lse.cpu(), j_lse)
 
 
+@WARP_SPECIALIZED_KERNELS
+@pytest.mark.parametrize("case", WARP_SPECIALIZED)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_warp_specialized_dkdv_against_the_plain_kernel(replace_entries, case, dtype):
+    # The same sums as attention_backward's dK/dV over the same queries; on the GPU the
+    # query blocks may be cut otherwise (another fp32 order), so within the last bit of
+    # the output dtype.
+    problem = _warp_specialized_problem(case, dtype)
+    q, k, v = random_qkv(problem.batch, problem.seqlen_q, problem.seqlen_k, problem.heads_q,
+                         problem.heads_k, problem.head_dim, dtype, seed=7)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(q)
+    causal, window = WARP_SPECIALIZED[case][-2:]
+    grads = {}
+    for warp_specialize in (False, True):
+        replace_entries(("dkdv",), tma=True, warp_specialize=warp_specialize)
+        assert fa_plan.backward_plan(problem, capability=CAPABILITY).dkdv.kernel == (
+            "attention_backward_dkdv_ws" if warp_specialize else "attention_backward")
+        grads[warp_specialize] = run_torch(q, k, v, dout, causal=causal, window_size=window)[2]
+    unit = torch.finfo(q.dtype).eps
+    for name, plain, ws in zip(("dq", "dk", "dv"), grads[False], grads[True]):
+        assert (ws.float() - plain.float()).abs().max().item() <= \
+            unit * plain.abs().max().item(), name
+
+
+def test_warp_specialized_kernels_serve_only_on_gpus_allowed():
+    # While plan.WARP_SPECIALIZED_ON_GPU is False a Hopper GPU keeps the plain kernels,
+    # whatever the table or the caller asks; the interpreter takes them either way.
+    shape = (2, 1024, 4, 128)
+    problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
+    for allowed in (False, True):
+        with fa_plan.warp_specialized_on_gpu(allowed):
+            for capability in (None, (9, 0)):
+                expect = allowed or capability is None
+                assert fa_plan.forward_plan(problem, capability=capability, tma=True,
+                                            warp_specialize=True).launch.kernel == (
+                    "attention_forward_ws" if expect else "attention_forward")
+                assert fa_plan.backward_plan(problem, capability=capability, tma=True,
+                                             warp_specialize=True).dkdv.kernel == (
+                    "attention_backward_dkdv_ws" if expect else "attention_backward")
+
+
+@pytest.fixture
+def warp_specialized_on_gpu():
+    with fa_plan.warp_specialized_on_gpu():
+        yield
+
+
 @pytest.mark.parametrize("capability", [None, (9, 0)])
-def test_warp_specialized_forward_only_where_it_serves(capability):
+@pytest.mark.parametrize("entry", ["forward", "dkdv"])
+def test_warp_specialized_only_where_it_serves(warp_specialized_on_gpu, capability, entry):
     # Plain scores through host descriptors, on Hopper or the interpreter: everything
-    # else (options, varlen, split or packed decode, fp32, sm_80, no host descriptors)
-    # keeps attention_forward, and so does the table while its entries leave it off.
+    # else (options, varlen, split or packed decode, fp32, D 32 or 96, sm_80, no host
+    # descriptors) keeps the plain kernel, and so does the table while its entries leave
+    # it off.
     shape, kv = (2, 1024, 4, 128), (2, 1024, 2, 128)
 
     def kernel(q=shape, k=kv, dtype="bfloat16", capability=capability, plan={}, **options):
         problem = fa_plan.check_problem(q, k, k, dtype, dtype, dtype, **options)
-        launch = fa_plan.forward_plan(problem, capability=capability, tma=True,
-                                      **{"warp_specialize": True, **plan}).launch
-        return launch.kernel[len("attention_forward"):] or "plain"
+        plan = {"warp_specialize": True, **plan}
+        if entry == "forward":
+            launch = fa_plan.forward_plan(problem, capability=capability, tma=True, **plan).launch
+            return launch.kernel[len("attention_forward"):] or "plain"
+        if "num_splits" in plan or problem.seqlen_q == 1:
+            return "plain"  # (forward-only options: the backward has no split or packing)
+        launch = fa_plan.backward_plan(problem, capability=capability, tma=True, **plan).dkdv
+        return {"attention_backward_dkdv_ws": "_ws", "attention_backward": "plain"}[launch.kernel]
 
     assert kernel() == kernel(causal=True) == kernel(window_size=(100, 0)) == "_ws"
     assert kernel(softcap=30.0) == kernel(dropout_p=0.1) == "plain"
     assert kernel(alibi_shape=(4,), alibi_dtype="float32") == "plain"
     assert kernel(bias_shape=(2, 4, 1024, 1024), bias_dtype="bfloat16") == "plain"
     assert kernel(dtype="float32") == kernel(q=(2, 1024, 4, 96), k=(2, 1024, 2, 96)) == "plain"
+    assert kernel(q=(2, 1024, 4, 32), k=(2, 1024, 2, 32)) == "plain"  # (no table entry)
     assert kernel(plan=dict(host_descriptors=False)) == kernel(plan=dict(num_splits=2)) == "plain"
     assert kernel(q=(2, 1, 4, 128)) == "plain"  # packed GQA decode
     assert kernel(capability=(8, 0)) == kernel(plan=dict(warp_specialize=None)) == "plain"
     varlen = dict(cu_seqlens_q_shape=(3,), cu_seqlens_k_shape=(3,), cu_seqlens_q_dtype="int32",
                   cu_seqlens_k_dtype="int32", max_seqlen_q=512, max_seqlen_k=512)
     assert kernel(q=(1024, 4, 128), k=(1024, 2, 128), varlen=varlen) == "plain"
-    if capability is not None:  # a half tile of 64 rows at least (wgmma's rows)
-        assert kernel(q=(2, 64, 2, 128)) == "plain"
+    if capability is not None:  # blocks of 64 rows at least (wgmma's rows)
+        assert kernel(q=(2, 32, 4, 128)) == "plain"
 
 
 def test_warp_specialized_entries_keep_the_forward_key_blocks():

@@ -342,3 +342,75 @@ def attention_backward(
                             GROUP_SIZE, LIMIT_LEFT, LIMIT_RIGHT, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
                             HAS_DROPOUT, DOT_PRECISION, USE_TMA, HOLD_TMA, HOST_TMA,
                             WANT_DK=part == DKDV_PARTS - 1, WANT_DV=part == 0)
+
+
+@kernel
+def attention_backward_dkdv_ws(
+    Q, K, V, dOut, LSE, Delta, QBlocks, KBlocks, VBlocks, dOBlocks,
+    softmax_scale, qk_scale, window_left, window_right, seqlen_q, seqlen_k,
+    stride_lb, stride_lh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    dK, dV,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+):
+    """The dK/dV pass's plain path (scores q·k only, as attention_forward_ws) in the shape
+    Triton's Hopper warp specialisation takes (benchmarks/NOTES.md 35): one loop over
+    every (query head of the GQA group, query block) pair that sees this key block, each
+    block into a matmul through a descriptor made on the host, so that a producer
+    warpgroup streams Q and dO while the consumers do the matmuls. The key block is 64
+    rows (the pass cannot split a host descriptor's block). One loop means no unmasked
+    run: with causal, a window or keys that end inside a query block, every block is
+    masked.
+
+    Query rows past seqlen_q read as zeros with LSE +inf and D 0 (``load_row_stats``), so
+    they add nothing; key rows past seqlen_k are not stored."""
+    stride_dkb, stride_dkn, stride_dkh = aligned_strides(stride_dkb, stride_dkn, stride_dkh, STRIDES_ALIGNED)
+    stride_dvb, stride_dvn, stride_dvh = aligned_strides(stride_dvb, stride_dvn, stride_dvh, STRIDES_ALIGNED)
+    start_n = tl.program_id(0) * BLOCK_N
+    head_k = tl.program_id(1)
+    batch = tl.program_id(2)
+    offs_m, offs_n, offs_d = tile_offsets(BLOCK_M, BLOCK_N, HEAD_DIM)
+    cols = start_n + offs_n
+    k = load_block((KBlocks, batch, head_k), start_n, offs_n, offs_d, 0, seqlen_k, HEAD_DIM,
+                   HEAD_DIM, False, True, True)
+    v = load_block((VBlocks, batch, head_k), start_n, offs_n, offs_d, 0, seqlen_k, HEAD_DIM,
+                   HEAD_DIM, False, True, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+
+    lo, unmasked_lo, unmasked_hi, hi = query_blocks(start_n, seqlen_q, seqlen_k, window_left,
+                                                    window_right, BLOCK_M, BLOCK_N, LIMIT_LEFT,
+                                                    LIMIT_RIGHT)
+    per_head = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    batch64 = tl.cast(batch, tl.int64)
+    for step in tl.range(0, GROUP_SIZE * per_head, warp_specialize=True):
+        head = head_k * GROUP_SIZE + step // per_head
+        start_m = lo + step % per_head * BLOCK_M
+        rows = start_m + offs_m
+        q = load_block((QBlocks, batch, head), start_m, offs_m, offs_d, 0, seqlen_q, HEAD_DIM,
+                       HEAD_DIM, False, True, True)
+        do = load_block((dOBlocks, batch, head), start_m, offs_m, offs_d, 0, seqlen_q,
+                        HEAD_DIM, HEAD_DIM, False, True, True)
+        row_base = batch64 * stride_lb + tl.cast(head, tl.int64) * stride_lh
+        lse, lse_lo, delta = load_row_stats(LSE + row_base, LSE + row_base, Delta + row_base,
+                                            rows, seqlen_q, False)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        p_t = probabilities(s_t, lse[None, :], 0.0, False)
+        if MASKED:
+            p_t = tl.where(visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, window_left,
+                                   window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+
+    head_k64 = tl.cast(head_k, tl.int64)
+    k_row0 = tl.cast(start_n, tl.int64)
+    store_tile(dK + batch64 * stride_dkb + head_k64 * stride_dkh + k_row0 * stride_dkn,
+               dk * softmax_scale, offs_n, offs_d, stride_dkn, seqlen_k - start_n, HEAD_DIM,
+               HEAD_DIM)
+    store_tile(dV + batch64 * stride_dvb + head_k64 * stride_dvh + k_row0 * stride_dvn,
+               dv, offs_n, offs_d, stride_dvn, seqlen_k - start_n, HEAD_DIM, HEAD_DIM)

@@ -39,11 +39,12 @@ class TileConfig:
     # so five matmuls where one program does four). Pays where one program cannot hold
     # both fp32 accumulators without spilling (D = 256).
     apart: bool = False
-    # Forward only: problems with plain scores (no softcap, bias, ALiBi or dropout, not
-    # varlen, paged or split) go to attention_forward_ws, the one-loop forward that
-    # Triton's Hopper warp specialisation splits into producer and consumer warpgroups,
-    # with the ("forward_ws", block_d) entry's tile (two query halves of block_m / 2 rows;
-    # its block_n the forward entry's: the same key blocks in the same order).
+    # Forward and dK/dV: problems with plain scores (no softcap, bias, ALiBi or dropout,
+    # not varlen, paged or split) go to the one-loop kernel that Triton's Hopper warp
+    # specialisation splits into producer and consumer warpgroups, with the
+    # ("forward_ws", block_d) entry's tile (two query halves of block_m / 2 rows; its
+    # block_n the forward entry's: the same key blocks in the same order) or the
+    # ("dkdv_ws", block_d) entry's (attention_backward_dkdv_ws).
     warp_specialize: bool = False
 
 
@@ -63,6 +64,12 @@ _GPU_16BIT = {
     ("forward_ws", 64): TileConfig(128, 128, 4, 3, tma=True),
     ("forward_ws", 128): TileConfig(128, 64, 4, 3, tma=True),
     ("forward_ws", 256): TileConfig(128, 64, 4, 2, tma=True),
+    # attention_backward_dkdv_ws: a 64-row key block (the pass splits no host
+    # descriptor's block; two halves' fp32 dK and dV spill at D = 128), 64 query rows a
+    # step, 4 warps; the stages that fit (NOTES 35).
+    ("dkdv_ws", 64): TileConfig(64, 64, 4, 3, tma=True),
+    ("dkdv_ws", 128): TileConfig(64, 64, 4, 2, tma=True),
+    ("dkdv_ws", 256): TileConfig(64, 64, 4, 2, tma=True),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
     ("dkdv", 64): TileConfig(64, 64, 4, 3, tma=True, hold_tma=False),
@@ -207,7 +214,8 @@ def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_it
     held_rows, streamed_rows = {"forward": (cfg.block_m, 2 * cfg.block_n),
                                 "forward_ws": (cfg.block_m, 2 * cfg.block_n),
                                 "dq": (2 * cfg.block_m, 2 * cfg.block_n),
-                                "dkdv": (2 * cfg.block_n, 2 * cfg.block_m)}.get(kernel, (0, 0))
+                                "dkdv": (2 * cfg.block_n, 2 * cfg.block_m),
+                                "dkdv_ws": (2 * cfg.block_n, 2 * cfg.block_m)}.get(kernel, (0, 0))
     if held_rows == 0:
         return 0
     tile = cfg.block_m * cfg.block_n
@@ -241,7 +249,7 @@ def override(kernels: tuple = (), entries: dict | None = None, **fields):
     * ``entries``: ``{(kernel, block_d, dtype): TileConfig}``, what a GPU gets for that
       kernel, padded head dim and dtype in place of every table's entry;
     * ``fields`` (``tma=True``, ``apart=True``, ``num_stages=2``...): set on every entry
-      of ``kernels`` ("forward", "forward_ws", "dkdv", "dq", "preprocess"), the
+      of ``kernels`` ("forward", "forward_ws", "dkdv", "dkdv_ws", "dq", "preprocess"), the
       interpreter's too.
 
     The tile is then fitted to the sequence and the device as usual. Plans made before
@@ -296,7 +304,8 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     if capability is not None and block_n:
         # A pipeline deeper than the loop only takes shared memory, and with it the second
         # program an SM could run: short sequences would pay for stages they never fill.
-        streamed, block = (seqlen_q, block_m) if kernel == "dkdv" else (seqlen_k, block_n)
+        streamed, block = ((seqlen_q, block_m) if kernel.startswith("dkdv")
+                           else (seqlen_k, block_n))
         num_stages = min(num_stages, max(2, -(-streamed // block)))
     cfg = replace(base, block_m=block_m, block_n=block_n, num_warps=num_warps,
                   num_stages=num_stages)

@@ -265,13 +265,14 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     limit = configs.shared_memory_limit(capability)
     failures = 0
     for name, problem, options in variants(quick, capability):
-        fwd = fa_plan.forward_plan(problem, capability=capability,
-                                   **{k: v for k, v in options.items() if k != "apart"})
-        plans = (fwd,)
-        if not problem.paged and "warp_specialize" not in options:  # (those: forward only)
-            plans += (fa_plan.backward_plan(
-                problem, capability=capability, bias_grad=problem.bias_shape is not None,
-                **{k: v for k, v in options.items() if k in ("tma", "apart")}),)
+        with fa_plan.warp_specialized_on_gpu():  # (compiled here whether or not they run)
+            plans = (fa_plan.forward_plan(problem, capability=capability,
+                                          **{k: v for k, v in options.items() if k != "apart"}),)
+            if not problem.paged:
+                plans += (fa_plan.backward_plan(
+                    problem, capability=capability, bias_grad=problem.bias_shape is not None,
+                    **{k: v for k, v in options.items()
+                       if k in ("tma", "apart", "warp_specialize")}),)
         dtypes = input_dtypes(problem, plans)
         for launch in (launch for plan in plans for launch in plan.launches):
             start = time.time()
@@ -281,7 +282,7 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
                 shared = compiled.metadata.shared
                 usage = resources(compiled)
                 verdict = "ok" if shared <= limit else f"FAIL: {shared} B of shared memory > {limit}"
-                if (launch.kernel == "attention_forward_ws"
+                if (launch.kernel.endswith("_ws")
                         and "ttg.warp_specialize" not in compiled.asm["ttgir"]):
                     verdict = "FAIL: not warp-specialised"  # (the pass declines silently)
             except Exception as error:  # noqa: BLE001  (report every failure, then count)

@@ -23,6 +23,7 @@ a sharded caller launches on a slice), so that the keep mask stays a function of
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import configs
-from .configs import ITEMSIZE, seqlen_bucket, tile_config
+from .configs import ITEMSIZE, TileConfig, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
@@ -1019,24 +1020,33 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
     return min(s for s, e in efficiency.items() if e >= 0.95 * best)
 
 
-def _warp_specialized_tile(p: AttentionProblem, cfg, override: bool | None, capability,
-                           flags: dict, q_st: tuple, split: bool, packed: bool):
-    """The ("forward_ws", D) tile when attention_forward_ws serves the call, else None: the
-    forward entry asks for it (or ``override``), on Hopper (or in the interpreter), for
-    16-bit plain scores (no softcap, bias, ALiBi or dropout) with K and V through host
-    descriptors (so not varlen, paged or with seqused_k) and Q's strides fit for one
-    too; not split or packed; no padding columns; and half tiles of 64 rows on the GPU
-    (wgmma's rows; the tile shrinks to short sequences)."""
-    wanted = cfg.warp_specialize if override is None else override
-    if not (bool(wanted) and (capability is None or capability[0] == 9) and flags["HOST_TMA"]
+# attention_forward_ws returned NaN on an H100 under Triton 3.6 (benchmarks/NOTES.md 36):
+# until a GPU run shows both warp-specialised kernels right, the plan takes them in the
+# interpreter only, whatever the table or the caller asks.
+WARP_SPECIALIZED_ON_GPU = False
+
+
+def _warp_specialized_tile(kernel: str, p: AttentionProblem, wanted: bool, capability,
+                           host: bool, *strides: tuple) -> TileConfig | None:
+    """The (``kernel``, D) tile when a warp-specialised kernel (attention_forward_ws,
+    attention_backward_dkdv_ws) serves the call, else None: the table entry asks for it
+    (``wanted``), on Hopper (or in the interpreter), for 16-bit plain scores (no softcap,
+    bias, ALiBi or dropout) with every block through host descriptors (``host``: so not
+    varlen, paged or with seqused_k, and these ``strides`` fit them), head dim 64, 128
+    or 256 (no padding columns);
+    and 64-row blocks on the GPU (wgmma's rows; the tile shrinks to short sequences), 16
+    in the interpreter. The forward's 64 rows are each half of its query tile."""
+    on_device = capability is None or (capability[0] == 9 and WARP_SPECIALIZED_ON_GPU)
+    if not (bool(wanted) and on_device and host
             and fold_scale(p) and p.dropout_p == 0 and p.dtype != "float32"
-            and p.block_d == p.head_dim and not split and not packed
-            and _descriptors_allowed(capability, p.dtype, q_st)
-            and _host_descriptors_allowed(p, True, q_st)):
+            and p.block_d == p.head_dim >= 64  # (the tables' ws entries: 64, 128, 256)
+            and _descriptors_allowed(capability, p.dtype, *strides)
+            and _host_descriptors_allowed(p, True, *strides)):
         return None
-    ws = tile_config("forward_ws", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
+    ws = tile_config(kernel, p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
                      causal=p.causal)
-    return ws if ws.block_m // 2 >= (16 if capability is None else 64) else None
+    rows = ws.block_m // 2 if kernel == "forward_ws" else min(ws.block_m, ws.block_n)
+    return ws if rows >= (16 if capability is None else 64) else None
 
 
 def _forward_ws_launch(p: AttentionProblem, ws, q_st, k_st, v_st, o_st, l_st,
@@ -1064,6 +1074,34 @@ def _forward_ws_launch(p: AttentionProblem, ws, q_st, k_st, v_st, o_st, l_st,
         num_stages=ws.num_stages,
         blocks=_blocks(True, p.block_d, ("q", p.q_shape, q_st, ws.block_m // 2),
                        ("k", p.kv_shape, k_st, ws.block_n), ("v", p.kv_shape, v_st, ws.block_n)),
+    )
+
+
+def _dkdv_ws_launch(p: AttentionProblem, ws: TileConfig, common_scalars: dict, q_st: tuple,
+                    k_st: tuple, v_st: tuple, do_st: tuple, dkv_st: tuple) -> Launch:
+    """The launch of attention_backward_dkdv_ws with the tile ``ws``: a program per key
+    block of ``ws.block_n`` rows, Q and dO streamed in blocks of ``ws.block_m``, all four
+    through host descriptors. Every block masked under causal or a window (one loop)."""
+    features = _feature_constexprs(p)
+    names = ("softmax_scale", "qk_scale", "window_left", "window_right", "seqlen_q",
+             "seqlen_k", "stride_lb", "stride_lh")
+    return Launch(
+        kernel="attention_backward_dkdv_ws",
+        grid=(_cdiv(p.seqlen_k, ws.block_n), p.heads_k, p.batch),
+        inputs=("q", "k", "v", "dout", "lse", "delta"),
+        scalars=dict({name: common_scalars[name] for name in names},
+                     **_named("dk", dkv_st, "bnh"), **_named("dv", dkv_st, "bnh")),
+        outputs=(Output("dk", p.kv_shape, p.dtype), Output("dv", p.kv_shape, p.dtype)),
+        constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
+                        GROUP_SIZE=p.group_size, LIMIT_LEFT=features["LIMIT_LEFT"],
+                        LIMIT_RIGHT=features["LIMIT_RIGHT"],
+                        MASKED=features["LIMIT_LEFT"] or features["LIMIT_RIGHT"],
+                        DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=_aligned(dkv_st)),
+        num_warps=ws.num_warps,
+        num_stages=ws.num_stages,
+        blocks=_blocks(True, p.block_d, ("q", p.q_shape, q_st, ws.block_m),
+                       ("k", p.kv_shape, k_st, ws.block_n), ("v", p.kv_shape, v_st, ws.block_n),
+                       ("dout", p.out_shape, do_st, ws.block_m)),
     )
 
 
@@ -1122,7 +1160,9 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     results = (Output("out", p.out_shape, p.dtype, zeroed=p.varlen),
                Output("lse", p.lse_shape, "float32", zeroed=p.varlen),
                Output("lse_lo", p.lse_shape, "float32"))  # written and read with a bias only
-    ws = _warp_specialized_tile(p, cfg, warp_specialize, capability, flags, q_st, split, packed)
+    ws = (None if split or packed else _warp_specialized_tile(
+        "forward_ws", p, cfg.warp_specialize if warp_specialize is None else warp_specialize,
+        capability, flags["HOST_TMA"], q_st, k_st, v_st))
     if ws is not None:
         return ForwardPlan(problem, _forward_ws_launch(p, ws, q_st, k_st, v_st, o_st, l_st,
                                                        results))
@@ -1190,7 +1230,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                   bias_grad: bool = False, has_dlse: bool = True,
                   tma: bool | None = None, apart: bool | None = None,
                   host_descriptors: bool = True,
-                  device_descriptors: bool = True) -> BackwardPlan:
+                  device_descriptors: bool = True,
+                  warp_specialize: bool | None = None) -> BackwardPlan:
     """How to launch the backward: D = rowsum(dO * O) - dLSE, then dK/dV, then dQ.
 
     Inputs by name: q, k, v, out, dout (shapes of the forward), lse and dlse (the LSE's
@@ -1203,7 +1244,9 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     the entry's ``hold_tma`` says so. Either way a block read through descriptors needs
     strides of whole 16-byte units; ``host_descriptors`` and ``device_descriptors`` say
     where they may be made, as in ``forward_plan``. ``apart`` overrides the dK/dV entry's choice of
-    programs apart for dK and dV (two a key block).
+    programs apart for dK and dV (two a key block). ``warp_specialize`` overrides the
+    dK/dV entry's choice of attention_backward_dkdv_ws where the problem allows it
+    (``_warp_specialized_tile``).
     """
     p = problem
     if p.paged:
@@ -1276,6 +1319,9 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     kv_flags = _tma_flags(kv, tma, capability, p.dtype, streamed=(q_st, do_st),
                           held=(k_st, v_st), host=host, device=device_descriptors,
                           flat_held=flat_held("k", "v"))
+    ws = _warp_specialized_tile(
+        "dkdv_ws", p, kv.warp_specialize if warp_specialize is None else warp_specialize,
+        capability, host, q_st, k_st, v_st, do_st)
     dkdv = Launch(
         kernel="attention_backward",
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
@@ -1292,6 +1338,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
         num_stages=kv.num_stages,
         blocks=blocks(kv_flags, ("q", "dout"), kv.block_m, kv.block_n),
     )
+    if ws is not None:
+        dkdv = _dkdv_ws_launch(p, ws, common_scalars, q_st, k_st, v_st, do_st, dkv_st)
     dbias = (Output("dbias", p.dbias_shape, "float32", zeroed=True) if bias_grad
              else _unused("dbias")[0])
     dbias_st = contiguous_strides(p.dbias_shape)[:3] if bias_grad else (0, 0, 0)
@@ -1323,6 +1371,20 @@ def _drop_cached_plans() -> None:
 
 
 configs.on_change(_drop_cached_plans)
+
+
+@contextlib.contextmanager
+def warp_specialized_on_gpu(allowed: bool = True):
+    """Within: the plan takes the warp-specialised kernels on Hopper GPUs too (or not),
+    as the table asks; for offline compiles and GPU tests of those kernels."""
+    global WARP_SPECIALIZED_ON_GPU
+    before, WARP_SPECIALIZED_ON_GPU = WARP_SPECIALIZED_ON_GPU, allowed
+    _drop_cached_plans()
+    try:
+        yield
+    finally:
+        WARP_SPECIALIZED_ON_GPU = before
+        _drop_cached_plans()
 
 
 def dropout_mask_plan(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,

@@ -6,7 +6,8 @@ if runtime.interpreting():
 
     interpreter.apply()
 
-from .backward import attention_backward, attention_backward_preprocess  # noqa: E402
+from .backward import (attention_backward, attention_backward_dkdv_ws,  # noqa: E402
+                       attention_backward_preprocess)
 from .dropout import dropout_mask  # noqa: E402
 from .forward import (attention_forward, attention_forward_combine,  # noqa: E402
                       attention_forward_ws)
@@ -17,6 +18,7 @@ KERNELS = {
     "attention_forward_ws": attention_forward_ws,
     "attention_backward_preprocess": attention_backward_preprocess,
     "attention_backward": attention_backward,
+    "attention_backward_dkdv_ws": attention_backward_dkdv_ws,
     "dropout_mask": dropout_mask,
 }
 
