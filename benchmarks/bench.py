@@ -15,8 +15,9 @@ With ``--window W`` (repeatable) fa_torch and fa_jax are also timed with a slidi
 window; their TFLOP/s still count the dense FLOPs, so a rising number means falling
 time. ``--peers`` keeps only the peers whose names contain one of the given words
 (fa_torch and fa_jax always run). ``--warp-specialize`` adds fa_torch (and fa_jax where
-jax-triton takes host descriptors) with attention_forward_ws, the one-loop forward for
-Triton's Hopper warp specialisation, wherever it serves. ``--memory`` adds a table of peak device memory of
+jax-triton takes host descriptors) with attention_forward_ws and
+attention_backward_dkdv_ws, the one-loop kernels for Triton's Hopper warp
+specialisation, wherever they serve. ``--memory`` adds a table of peak device memory of
 forward+backward against the sequence length (it must grow linearly).
 """
 from __future__ import annotations
@@ -320,13 +321,13 @@ def memory_table(seqlens=(8192, 16384, 32768, 65536), heads=16, head_dim=128):
     return "\n".join(lines) + "\n"
 
 
-WARP_SPECIALIZED = " ws"  # the name's ending of an impl timed with attention_forward_ws
+WARP_SPECIALIZED = " ws"  # the name's ending of an impl timed with the warp-specialised kernels
 
 
 def add_warp_specialized_impls(t_impls, j_impls):
     """fa_torch, and fa_jax where its jax-triton takes host descriptors (0.4), again under
-    the name ending WARP_SPECIALIZED: timed with every forward entry asking for
-    attention_forward_ws (``tables_for``)."""
+    the name ending WARP_SPECIALIZED: timed with every forward and dK/dV entry asking for
+    attention_forward_ws and attention_backward_dkdv_ws (``tables_for``)."""
     from fa_jax import _launch as jax_launch
 
     t_impls["fa_torch" + WARP_SPECIALIZED] = t_impls["fa_torch"]
@@ -335,14 +336,17 @@ def add_warp_specialized_impls(t_impls, j_impls):
 
 
 def tables_for(name):
-    """The tables an impl is timed with: for a WARP_SPECIALIZED name, the forward entries
-    with ``warp_specialize`` (one override around all its calls: the plans are made once
-    and cached, as with the table's own entries)."""
+    """The tables an impl is timed with: for a WARP_SPECIALIZED name, the forward and
+    dK/dV entries with ``warp_specialize``, on the GPU too (one context around all its
+    calls: the plans are made once and cached, as with the table's own entries)."""
     from fa_kernels import configs
+    from fa_kernels import plan as fa_plan
 
+    stack = contextlib.ExitStack()
     if name.endswith(WARP_SPECIALIZED):
-        return configs.override(("forward",), warp_specialize=True)
-    return contextlib.nullcontext()
+        stack.enter_context(fa_plan.warp_specialized_on_gpu())
+        stack.enter_context(configs.override(("forward", "dkdv"), warp_specialize=True))
+    return stack
 
 
 def main():
@@ -357,7 +361,8 @@ def main():
                         help="comma-separated words: keep only peers whose name has one")
     parser.add_argument("--warp-specialize", action="store_true",
                         help="also time fa_torch (and fa_jax where jax-triton takes host "
-                             "descriptors) with attention_forward_ws where it serves")
+                             "descriptors) with the warp-specialised forward and dK/dV where "
+                             "they serve")
     parser.add_argument("--memory", action="store_true",
                         help="also report peak memory of fwd+bwd at S = 8k..64k")
     parser.add_argument("--dtype", default="bfloat16")

@@ -1321,7 +1321,7 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
                           flat_held=flat_held("k", "v"))
     ws = _warp_specialized_tile(
         "dkdv_ws", p, kv.warp_specialize if warp_specialize is None else warp_specialize,
-        capability, host, q_st, k_st, v_st, do_st)
+        capability, host and tma is not False, q_st, k_st, v_st, do_st)
     dkdv = Launch(
         kernel="attention_backward",
         grid=(_cdiv(p.seqlen_k, kv.block_n) * parts, p.heads_k, p.batch),
