@@ -1020,9 +1020,10 @@ def num_splits_for(programs: int, key_blocks: int, num_sms: int | None) -> int:
     return min(s for s, e in efficiency.items() if e >= 0.95 * best)
 
 
-# attention_forward_ws returned NaN on an H100 under Triton 3.6 (benchmarks/NOTES.md 36):
-# until a GPU run shows both warp-specialised kernels right, the plan takes them in the
-# interpreter only, whatever the table or the caller asks.
+# Both warp-specialised kernels came out wrong (NaN or off) and 2-3x slower on an H100
+# under Triton 3.6, while the same loops unspecialised were right (benchmarks/NOTES.md
+# 36): until a GPU run shows them right, the plan takes them in the interpreter only,
+# whatever the table or the caller asks.
 WARP_SPECIALIZED_ON_GPU = False
 
 
