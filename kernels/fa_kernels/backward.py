@@ -381,6 +381,7 @@ def attention_backward_dkdv_ws(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
 
+    # (every name its own: Triton would carry a `_` reassigned in the loop as loop state)
     lo, unmasked_lo, unmasked_hi, hi = query_blocks(start_n, seqlen_q, seqlen_k, window_left,
                                                     window_right, BLOCK_M, BLOCK_N, LIMIT_LEFT,
                                                     LIMIT_RIGHT)

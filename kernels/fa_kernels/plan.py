@@ -1034,9 +1034,9 @@ def _warp_specialized_tile(kernel: str, p: AttentionProblem, wanted: bool, capab
     (``wanted``), on Hopper (or in the interpreter), for 16-bit plain scores (no softcap,
     bias, ALiBi or dropout) with every block through host descriptors (``host``: so not
     varlen, paged or with seqused_k, and these ``strides`` fit them), head dim 64, 128
-    or 256 (no padding columns);
-    and 64-row blocks on the GPU (wgmma's rows; the tile shrinks to short sequences), 16
-    in the interpreter. The forward's 64 rows are each half of its query tile."""
+    or 256 (no padding columns), and 64-row blocks on the GPU (wgmma's rows; the tile
+    shrinks to short sequences), 16 in the interpreter. The forward's 64 rows are each
+    half of its query tile."""
     on_device = capability is None or (capability[0] == 9 and WARP_SPECIALIZED_ON_GPU)
     if not (bool(wanted) and on_device and host
             and fold_scale(p) and p.dropout_p == 0 and p.dtype != "float32"
