@@ -345,7 +345,8 @@ def tables_for(name):
     stack = contextlib.ExitStack()
     if name.endswith(WARP_SPECIALIZED):
         stack.enter_context(fa_plan.warp_specialized_on_gpu())
-        stack.enter_context(configs.override(("forward", "dkdv"), warp_specialize=True))
+        stack.enter_context(configs.override(("forward", "dkdv"), tma=True,
+                                             warp_specialize=True))
     return stack
 
 

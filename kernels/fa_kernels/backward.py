@@ -355,6 +355,7 @@ def attention_backward_dkdv_ws(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """The dK/dV pass's plain path (scores q·k only, as attention_forward_ws) in the shape
     Triton's Hopper warp specialisation takes (benchmarks/NOTES.md 35): one loop over
@@ -366,7 +367,8 @@ def attention_backward_dkdv_ws(
     masked.
 
     Query rows past seqlen_q read as zeros with LSE +inf and D 0 (``load_row_stats``), so
-    they add nothing; key rows past seqlen_k are not stored."""
+    they add nothing; key rows past seqlen_k are not stored. WARP_SPECIALIZE as in
+    attention_forward_ws."""
     stride_dkb, stride_dkn, stride_dkh = aligned_strides(stride_dkb, stride_dkn, stride_dkh, STRIDES_ALIGNED)
     stride_dvb, stride_dvn, stride_dvh = aligned_strides(stride_dvb, stride_dvn, stride_dvh, STRIDES_ALIGNED)
     start_n = tl.program_id(0) * BLOCK_N
@@ -387,7 +389,7 @@ def attention_backward_dkdv_ws(
                                                     LIMIT_RIGHT)
     per_head = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
     batch64 = tl.cast(batch, tl.int64)
-    for step in tl.range(0, GROUP_SIZE * per_head, warp_specialize=True):
+    for step in tl.range(0, GROUP_SIZE * per_head, warp_specialize=WARP_SPECIALIZE):
         head = head_k * GROUP_SIZE + step // per_head
         start_m = lo + step % per_head * BLOCK_M
         rows = start_m + offs_m

@@ -303,6 +303,7 @@ def attention_forward_ws(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """attention_forward's plain path (scores q·k only: no softcap, bias, ALiBi, dropout,
     varlen, paging or split) in the shape Triton's Hopper warp specialisation takes
@@ -316,7 +317,8 @@ def attention_forward_ws(
 
     The same blocks in the same order with the same operations as attention_forward
     with this BLOCK_N; only the matmuls' tiles differ, which may round the last bit of
-    a sum otherwise."""
+    a sum otherwise. WARP_SPECIALIZE False compiles the same loop unspecialised (the plan
+    always sets it; benchmarks/warp_specialized.py compares the two)."""
     stride_ob, stride_om, stride_oh = aligned_strides(stride_ob, stride_om, stride_oh, STRIDES_ALIGNED)
     HALF: tl.constexpr = BLOCK_M // 2
     row_lo = tl.program_id(0) * BLOCK_M
@@ -340,7 +342,7 @@ def attention_forward_ws(
     m_b, l_b, acc_b = m_a, l_a, acc_a
     lo, _, _, hi = key_blocks(row_lo, row_lo + BLOCK_M, seqlen_q, seqlen_k, window_left,
                               window_right, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_block(k_source, start_n, offs_n, offs_d, 0, seqlen_k, HEAD_DIM, HEAD_DIM,
                        False, True, True)
