@@ -35,13 +35,6 @@ def num_sms(device: torch.device):
                                    else torch.cuda.current_device())
 
 
-def starts_aligned(*tensors: torch.Tensor) -> bool:
-    """Whether host descriptors can stand over these tensors: each starts on 16 bytes
-    (Triton's TensorDescriptor requires it; a view may start anywhere). The plan makes
-    none where one does not (its ``host_descriptors``)."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
 def placeholder(device: torch.device) -> torch.Tensor:
     """What stands in for an input the problem does not use (its flag is off)."""
     key = str(device)

@@ -139,6 +139,8 @@ def _forward_impl(named: dict, problem=None):
     """(out, lse, lse_lo): the forward launches for attention_forward's arguments by name.
     ``problem``: the call's validated problem when the caller has it already (the eager
     path)."""
+    from fa_kernels import launcher  # (Triton loads with the first launch, not with fa_torch)
+
     arrays = _as_kernels_read(named)
     problem = problem or _op_problem(arrays)
     q = arrays["q"]
@@ -147,8 +149,8 @@ def _forward_impl(named: dict, problem=None):
                                v_strides=arrays["v"].stride(),
                                bias_strides=_bias_strides(arrays["bias"]),
                                num_sms=_launch.num_sms(q.device),
-                               host_descriptors=_launch.starts_aligned(q, arrays["k"],
-                                                                       arrays["v"]))
+                               host_descriptors=launcher.starts_aligned(q, arrays["k"],
+                                                                        arrays["v"]))
     arrays["slopes"] = arrays["alibi_slopes"]  # (the kernels' name)
     for launch in fwd.launches:
         _launch.run(launch, arrays, q.device)
@@ -192,6 +194,8 @@ def _(*args, **kwargs):
 def _backward_impl(named: dict, problem=None):
     """(dq, dk, dv, dbias): the backward launches for attention_backward's arguments by
     name."""
+    from fa_kernels import launcher
+
     arrays = _as_kernels_read(named)
     problem = problem or _op_problem(arrays)
     q, bias, dlse = arrays["q"], arrays["bias"], arrays["dlse"]
@@ -203,7 +207,7 @@ def _backward_impl(named: dict, problem=None):
                                 dout_strides=arrays["dout"].stride(),
                                 bias_strides=_bias_strides(bias), bias_grad=bias_grad,
                                 has_dlse=dlse is not None,
-                                host_descriptors=_launch.starts_aligned(
+                                host_descriptors=launcher.starts_aligned(
                                     q, arrays["k"], arrays["v"], arrays["dout"]))
     if dlse is not None:
         arrays["dlse"] = dlse.to(torch.float32).contiguous()

@@ -396,6 +396,28 @@ def test_warp_specialized_dkdv_against_the_plain_kernel(replace_entries, case, d
             unit * plain.abs().max().item(), name
 
 
+@WARP_SPECIALIZED_KERNELS
+def test_warp_specialized_kernels_leave_unaligned_views_to_the_plain_ones(replace_entries):
+    # The warp-specialised kernels read only through host descriptors, which need each
+    # array to start on 16 bytes: fa_torch tells the plan where one does not, and the
+    # plain kernels take the call (the same bits as with the table's entries off).
+    import fa_torch
+
+    q, k, v = random_qkv(1, 130, 190, 2, 2, 64, "bfloat16", seed=9)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(q)
+    storage = torch.empty(k.numel() + 1, dtype=k.dtype, device=DEVICE)
+    k_view = storage[1:].view(k.shape)  # (2 bytes in; whole 16-byte strides)
+    k_view.copy_(k)
+    leaves = (q.requires_grad_(), k_view.requires_grad_(), v.requires_grad_())
+    results = {}
+    for warp_specialize in (False, True):
+        replace_entries(("forward", "dkdv"), tma=True, warp_specialize=warp_specialize)
+        out, lse = fa_torch.attention(*leaves, causal=True, return_lse=True)
+        results[warp_specialize] = (out, lse, *torch.autograd.grad(out, leaves, dout))
+    for name, plain, ours in zip(("out", "lse", "dq", "dk", "dv"), results[False], results[True]):
+        assert torch.equal(plain, ours), name
+
+
 def test_warp_specialized_kernels_serve_only_on_gpus_allowed():
     # While plan.WARP_SPECIALIZED_ON_GPU is False a Hopper GPU keeps the plain kernels,
     # whatever the table or the caller asks; the interpreter takes them either way.

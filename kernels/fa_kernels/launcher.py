@@ -62,12 +62,20 @@ def without_tma(launch):
 _DESCRIPTOR_INPUTS = ("q", "k", "v", "dout")  # what the kernels may read through descriptors
 
 
+def starts_aligned(*arrays) -> bool:
+    """Whether tensor descriptors can stand over these arrays: each starts on 16 bytes.
+    The plan checks strides, but only the arrays know their addresses (a view can start
+    anywhere)."""
+    return all(a.data_ptr() % 16 == 0 for a in arrays)
+
+
 def fit_to_arrays(launch, inputs: list):
     """``launch``, or its plain-pointer twin when it reads blocks through tensor
-    descriptors and one of q, k, v, dout does not start on 16 bytes: the plan checked
-    the strides, but only the arrays know their addresses (a view can start anywhere)."""
-    if launch.constexprs.get("USE_TMA") and any(
-            a.data_ptr() % 16 for name, a in zip(launch.inputs, inputs) if name in _DESCRIPTOR_INPUTS):
+    descriptors and one of q, k, v, dout does not start on 16 bytes (``starts_aligned``).
+    A kernel that reads only through descriptors (the warp-specialised ones) has no
+    twin: the front end tells the plan (``host_descriptors``) before it chooses one."""
+    if launch.constexprs.get("USE_TMA") and not starts_aligned(
+            *(a for name, a in zip(launch.inputs, inputs) if name in _DESCRIPTOR_INPUTS)):
         return without_tma(launch)
     return launch
 
