@@ -335,19 +335,25 @@ def add_warp_specialized_impls(t_impls, j_impls):
         j_impls["fa_jax" + WARP_SPECIALIZED] = j_impls["fa_jax"]
 
 
-def tables_for(name):
-    """The tables an impl is timed with: for a WARP_SPECIALIZED name, the forward and
-    dK/dV entries with ``warp_specialize``, on the GPU too (one context around all its
-    calls: the plans are made once and cached, as with the table's own entries)."""
+def warp_specialized_tables() -> contextlib.ExitStack:
+    """Within: every forward and dK/dV entry asks for its warp-specialised kernel, and the
+    plan takes it on the GPU too."""
     from fa_kernels import configs
     from fa_kernels import plan as fa_plan
 
     stack = contextlib.ExitStack()
-    if name.endswith(WARP_SPECIALIZED):
-        stack.enter_context(fa_plan.warp_specialized_on_gpu())
-        stack.enter_context(configs.override(("forward", "dkdv"), tma=True,
-                                             warp_specialize=True))
+    stack.enter_context(fa_plan.warp_specialized_on_gpu())
+    stack.enter_context(configs.override(("forward", "dkdv"), tma=True, warp_specialize=True))
     return stack
+
+
+def tables_for(name):
+    """The tables an impl is timed with: ``warp_specialized_tables`` for a
+    WARP_SPECIALIZED name (one context around all its calls: the plans are made once and
+    cached, as with the table's own entries)."""
+    if name.endswith(WARP_SPECIALIZED):
+        return warp_specialized_tables()
+    return contextlib.nullcontext()
 
 
 def main():

@@ -34,6 +34,8 @@ import fa_torch  # noqa: E402
 from fa_kernels import configs  # noqa: E402
 from fa_kernels import plan as fa_plan  # noqa: E402
 
+from bench import warp_specialized_tables  # noqa: E402
+
 SHAPES = ["4,4096,16,16,64,0", "4,4096,16,16,128,0", "4,4096,16,16,128,1",
           "4,4096,32,8,128,0", "4,2048,8,8,256,0"]
 WS_LAUNCHES = ("_forward_ws_launch", "_dkdv_ws_launch")
@@ -66,12 +68,9 @@ def variant(name: str, stages: int | None):
     """The tables and plan for one way of running: "plain", "ws" or "ws unspecialised"."""
     stack = contextlib.ExitStack()
     if name != "plain":
-        stack.enter_context(fa_plan.warp_specialized_on_gpu())
-        fields = {} if stages is None else {"num_stages": stages}
-        stack.enter_context(configs.override(("forward", "dkdv"), tma=True,
-                                             warp_specialize=True))
-        if fields:
-            stack.enter_context(configs.override(("forward_ws", "dkdv_ws"), **fields))
+        stack.enter_context(warp_specialized_tables())
+        if stages is not None:
+            stack.enter_context(configs.override(("forward_ws", "dkdv_ws"), num_stages=stages))
         if name == "ws unspecialised":
             stack.enter_context(unspecialized())
     return stack
