@@ -22,7 +22,7 @@ The outflow rule: scores are scaled once in fp32, and the remaining factors
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, aligned_strides, block_run, block_source, dropout_keep, kernel,
+from .helpers import (aligned, aligned_strides, block_run, block_source_pair, dropout_keep, kernel,
                       key_blocks, load_block, load_held_pair, load_row_stats, load_seed,
                       load_tile, probabilities, query_blocks, scores, sequence_bounds,
                       softcap_slope, store_tile, tile_offsets, visible)
@@ -151,13 +151,10 @@ def _dkdv_block(Q, K, V, dOut, QBlocks, KBlocks, VBlocks, dOBlocks, LSE, LSELo, 
         head = head_k * GROUP_SIZE + g
         head64 = tl.cast(head, tl.int64)
         seed_lo, seed_hi, mask_batch, mask_head = load_seed(Seed, batch, head, HAS_DROPOUT)
-        q_source = block_source(Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm,
-                                QBlocks, batch, head, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M,
-                                BLOCK_D, USE_TMA, HOST_TMA)
-        do_source = block_source(
-            dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom,
-            dOBlocks, batch, head, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA,
-            HOST_TMA)
+        q_source, do_source = block_source_pair(
+            Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm, QBlocks, stride_qm,
+            dOut + batch64 * stride_dob + head64 * stride_doh + q_start * stride_dom, dOBlocks,
+            stride_dom, batch, head, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, HOST_TMA)
         lse_base = LSE + batch64 * stride_lb + head64 * stride_lh + q_start
         lse_lo_base = LSELo + batch64 * stride_lb + head64 * stride_lh + q_start
         delta_base = Delta + batch64 * stride_lb + head64 * stride_lh + q_start
@@ -287,12 +284,10 @@ def attention_backward(
         row_base = batch64 * stride_lb + head64 * stride_lh + q_start
         lse, lse_lo, delta = load_row_stats(LSE + row_base, LSELo + row_base, Delta + row_base,
                                             rows, seqlen_q, HAS_BIAS)
-        k_source = block_source(K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn,
-                                KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N,
-                                BLOCK_D, USE_TMA, HOST_TMA)
-        v_source = block_source(V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn,
-                                VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N,
-                                BLOCK_D, USE_TMA, HOST_TMA)
+        k_source, v_source = block_source_pair(
+            K + batch64 * stride_kb + head_k * stride_kh + k_start * stride_kn, KBlocks, stride_kn,
+            V + batch64 * stride_vb + head_k * stride_vh + k_start * stride_vn, VBlocks, stride_vn,
+            batch, head_k, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
         bias_base = Bias + batch64 * stride_bb + head64 * stride_bh
         dbias_base = dBias + batch64 * stride_dbb + head64 * stride_dbh
         slope = 0.0

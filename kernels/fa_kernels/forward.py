@@ -14,9 +14,9 @@ the plain path compiles to the loop above and nothing else.
 import triton
 import triton.language as tl
 
-from .helpers import (aligned, aligned_strides, block_run, block_source, dropout_keep, final_lse,
-                      kernel, key_blocks, load_block, load_kv_block, load_rows, load_seed,
-                      load_tile, paged_source, scores, sequence_bounds, softmax_step,
+from .helpers import (aligned, aligned_strides, block_run, block_source_pair, dropout_keep,
+                      final_lse, kernel, key_blocks, load_block, load_kv_block, load_rows,
+                      load_seed, load_tile, paged_source, scores, sequence_bounds, softmax_step,
                       split_blocks, store_rows, store_tile, tile_offsets, visible)
 
 
@@ -151,10 +151,9 @@ def attention_forward(
         k_source = paged_source(K + head_k * stride_kh, table, page_size, num_pages, stride_kb)
         v_source = paged_source(V + head_k * stride_vh, table, page_size, num_pages, stride_vb)
     else:
-        k_source = block_source(k_base, KBlocks, batch, head_k, seqlen_k, stride_kn, HEAD_DIM,
-                                BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
-        v_source = block_source(v_base, VBlocks, batch, head_k, seqlen_k, stride_vn, HEAD_DIM,
-                                BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
+        k_source, v_source = block_source_pair(k_base, KBlocks, stride_kn, v_base, VBlocks,
+                                               stride_vn, batch, head_k, seqlen_k, HEAD_DIM,
+                                               BLOCK_N, BLOCK_D, USE_TMA, HOST_TMA)
     # The key blocks in three runs: masked ones where the first rows' diagonal or window
     # edge cuts them, unmasked ones in the middle, masked ones again at the far edge.
     for run in tl.static_range(3):

@@ -132,6 +132,20 @@ def block_source(base, blocks, batch, head, num_rows, stride_row, HEAD_DIM: tl.c
 
 
 @triton.jit
+def block_source_pair(first_base, first_blocks, first_stride, second_base, second_blocks,
+                      second_stride, batch, head, num_rows, HEAD_DIM: tl.constexpr,
+                      BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr,
+                      HOST_TMA: tl.constexpr):
+    """The ``block_source`` of the two slabs a loop streams side by side (K and V in the
+    forward and dQ, Q and dO in dK/dV)."""
+    first_source = block_source(first_base, first_blocks, batch, head, num_rows, first_stride,
+                                HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA, HOST_TMA)
+    second_source = block_source(second_base, second_blocks, batch, head, num_rows,
+                                 second_stride, HEAD_DIM, BLOCK_ROWS, BLOCK_D, USE_TMA, HOST_TMA)
+    return first_source, second_source
+
+
+@triton.jit
 def held_block_source(array, offset, blocks, batch, head, num_rows, stride_row,
                       HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
                       HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr):
