@@ -27,9 +27,17 @@ for step in "$@"; do
       timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
         "$py" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_features.py tests/test_bounds.py -k "${MEMCHECK_K:-(torch and (test_gqa or 113x70 or (head_dims and bfloat16 and True) or combined or (window and 64x130))) or cu_seqlens or huge_windows}" \
         2>&1 | tee "$out/memcheck.log" | tail -15 ;;
-    bench)
+    bench)  # with .bench_base (scripts/bench_base.sh REV): that commit too, then the ratios
       timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/bench.py ${BENCH_ARGS:---quick} --out "$out" \
-        2> "$out/bench.err" ; tail -5 "$out/bench.err"; cat "$out/RESULTS.md" 2>/dev/null ;;
+        2> "$out/bench.err" ; tail -5 "$out/bench.err"; cat "$out/RESULTS.md" 2>/dev/null
+      if [ -f .bench_base/benchmarks/bench.py ]; then
+        echo "=== bench at $(cat .bench_base/REV) ($(date +%T))"; mkdir -p "$out/base"
+        PYTHONPATH="$PWD/.bench_base/kernels:$PWD/.bench_base${PYTHONPATH:+:$PYTHONPATH}" \
+          timeout "${BENCH_TIMEOUT:-300}" "$py" .bench_base/benchmarks/bench.py \
+          ${BENCH_ARGS:---quick} --out "$out/base" 2> "$out/base/bench.err"
+        tail -3 "$out/base/bench.err"
+        "$py" benchmarks/compare.py "$out/base/RESULTS.md" "$out/RESULTS.md"
+      fi ;;
     ptx)  # Triton JIT's PTX against jax_triton's, plain and causal, with the outputs compared
       for causal in "" --causal; do
         timeout "${PTX_TIMEOUT:-240}" "$py" benchmarks/ptx_compare.py ${PTX_ARGS:-} $causal 2>&1 \
