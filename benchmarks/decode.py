@@ -11,6 +11,11 @@ read + write: 2 x bytes / time). Three times per row, each the median of many ru
   graph, as a serving loop runs it;
 * ``call``: the same public call, eager (what a Python loop pays, host included).
 
+fa_jax, where jax is installed, on the same arrays (shared through DLPack, no copy):
+``fa_jax.attention_with_kvcache`` jitted, timed as a Python loop of calls (``jax call``)
+and inside one jitted ``fori_loop`` (``jax loop``: no host between steps, as a serving
+loop compiled whole runs it), with bench.py's timers.
+
 Layouts: the contiguous cache, and paged caches (pages in random order over the same
 memory) of the given page sizes. Peer where present: torch SDPA on the contiguous cache
 (``enable_gqa``); flash-attn's CUDA kernels and FlashInfer are not on the lent machine.
@@ -34,6 +39,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fa_torch  # noqa: E402
+from bench import bench_jax, bench_jitted_loop  # noqa: E402
 from fa_kernels import configs  # noqa: E402
 from fa_kernels import plan as fa_plan  # noqa: E402
 from fa_torch import _launch  # noqa: E402
@@ -165,13 +171,37 @@ def measure(batch, seqlen, heads_q, heads_k, page_size, head_dim=128, dtype=torc
             sdpa = graph_time(peer)
         except RuntimeError as error:  # (a backend may refuse the shape)
             print(f"  sdpa: {str(error)[:120]}", file=sys.stderr)
+    jax_call, jax_loop = jax_times(q, k, v, seqlens, table)
     del k, v, step, call, peer
     torch.cuda.empty_cache()
     bandwidth = lambda t: moved / t  # noqa: E731
     return dict(batch=batch, seqlen=seqlen, heads=f"{heads_q}/{heads_k}", page=page_size,
                 splits=splits, gb=moved / 1e9, copy=copy_bandwidth, kernel=kernel, graph=graph,
-                call=eager, sdpa=sdpa, fraction=bandwidth(kernel) / copy_bandwidth,
+                call=eager, sdpa=sdpa, jax_call=jax_call, jax_loop=jax_loop,
+                fraction=bandwidth(kernel) / copy_bandwidth,
                 graph_over_kernel=graph / kernel)
+
+
+def jax_times(q, k, v, seqlens, table):
+    """fa_jax's decode step on the same arrays, in seconds: (a Python loop of jitted calls,
+    a call inside one jitted loop); (None, None) without jax."""
+    try:
+        import jax
+
+        import fa_jax
+    except ImportError:
+        return None, None
+    jq, jk, jv, jseqlens = (jax.dlpack.from_dlpack(x) for x in (q, k, v, seqlens))
+    jtable = None if table is None else jax.dlpack.from_dlpack(table)
+
+    def decode(q, k_cache, v_cache, seqlens, table):
+        return fa_jax.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                             block_table=table)[0]
+    step = jax.jit(decode)
+    call = bench_jax(step, (jq, jk, jv, jseqlens, jtable)) / 1e3
+    loop = bench_jitted_loop(lambda q, k, v, seqlens: decode(q, k, v, seqlens, jtable),
+                             (jq, jk, jv, jseqlens), iters=50) / 1e3
+    return call, loop
 
 
 def render(rows) -> str:
@@ -180,16 +210,17 @@ def render(rows) -> str:
              f"{datetime.date.today()}; torch {torch.__version__}.",
              "",
              "| B | Sk | Hq/Hk | page | splits | GB moved | copy TB/s | kernel us | kernel TB/s "
-             "| of copy | graph us | graph/kernel | call us | SDPA us |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| of copy | graph us | graph/kernel | call us | SDPA us | fa_jax call us "
+             "| fa_jax loop us |",
+             "|" + "---|" * 16]
+    us = lambda t: f"{t * 1e6:.1f}" if t else "-"  # noqa: E731
     for r in rows:
-        sdpa = f"{r['sdpa'] * 1e6:.1f}" if r["sdpa"] else "-"
         lines.append(
             f"| {r['batch']} | {r['seqlen']} | {r['heads']} | {r['page'] or 'contiguous'} "
             f"| {r['splits']} | {r['gb']:.3f} | {r['copy'] / 1e12:.2f} | {r['kernel'] * 1e6:.1f} "
             f"| {r['gb'] * 1e9 / r['kernel'] / 1e12:.2f} | {r['fraction']:.0%} "
             f"| {r['graph'] * 1e6:.1f} | {r['graph_over_kernel']:.2f} | {r['call'] * 1e6:.1f} "
-            f"| {sdpa} |")
+            f"| {us(r['sdpa'])} | {us(r['jax_call'])} | {us(r['jax_loop'])} |")
     return "\n".join(lines) + "\n"
 
 
