@@ -13,6 +13,10 @@ if [ -n "$wheels" ]; then
 fi
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+# pytest workers: 16 where the card has more than 100 GB, else 12 (on an 80 GB card 16
+# once ran a float64 reference out of memory); WORKERS overrides.
+memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "${memory:-0}" -gt 100000 ]; then workers=16; else workers=12; fi
 python3 -c "import torch, triton, jax, jax_triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, 'jax-triton', jax_triton.__version__, 'numpy', numpy.__version__, jax.devices())"
 py="$(./scripts/env.sh)" || exit 1
 for step in "$@"; do
@@ -20,7 +24,7 @@ for step in "$@"; do
   case "$step" in
     test)  # worksteal (xdist >= 3.2): idle workers take queued tests, so long ones spread out
       dist=$("$py" -c "import xdist; print('--dist worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else '')")
-      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -n "${WORKERS:-12}" $dist -p no:cacheprovider \
+      timeout "${TEST_TIMEOUT:-420}" "$py" -m pytest -n "${WORKERS:-$workers}" $dist -p no:cacheprovider \
         -p no:benchmark -rfE -v --durations=15 ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-tests} \
         > "$out/test.log" 2>&1; grep -E "FAILED|ERROR" "$out/test.log" | head -30; tail -3 "$out/test.log" ;;
     memcheck)  # the usual shapes, then bad device and traced cu_seqlens and huge windows

@@ -4,8 +4,7 @@
 #   bash scripts/gpu_suite.sh 1        the kernels' own tests: both front ends, every feature
 #   bash scripts/gpu_suite.sh 2        every other file (clients, parity, host-side checks,
 #                                      offline compiles first: they are the longest)
-# 16 pytest workers where the card has more than 100 GB, else 12 (on an 80 GB card 16 once
-# ran a float64 reference out of memory). Logs and the summary as scripts/gpu_session.sh.
+# Workers, logs and the summary as scripts/gpu_session.sh's test step.
 set -uo pipefail
 part="${1:?usage: scripts/gpu_suite.sh 1|2}"
 cd "$(dirname "$0")/.."
@@ -20,8 +19,5 @@ case "$part" in
      done ;;
   *) echo "part must be 1 or 2, got $part" >&2; exit 2 ;;
 esac
-memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-if [ "${memory:-0}" -gt 100000 ]; then workers=16; else workers=12; fi
-echo "part $part: $(echo $files | wc -w) files, $workers workers (GPU memory $memory MiB)"
-WORKERS="${WORKERS:-$workers}" TEST_TIMEOUT="${TEST_TIMEOUT:-570}" TEST_ARGS="$(echo $files)" \
-  bash scripts/gpu_session.sh test
+echo "part $part: $(echo $files | wc -w) files"
+TEST_TIMEOUT="${TEST_TIMEOUT:-570}" TEST_ARGS="$(echo $files)" bash scripts/gpu_session.sh test
