@@ -33,12 +33,13 @@ def first_table(path: str) -> dict:
     return rows
 
 
-def ratio(base: str, new: str, higher_is_faster: bool) -> str:
+def ratio(base: str, new: str) -> str:
+    """new / base of two TFLOP/s cells ("—" where either run has none)."""
     try:
         a, b = float(base), float(new)
     except ValueError:
         return "—"
-    return f"{(b / a if higher_is_faster else a / b):.3f}"
+    return f"{b / a:.3f}"
 
 
 def main(argv=None) -> int:
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
             continue
         old = base[key]
         cells = [old["fa_torch ms"], row["fa_torch ms"]]
-        cells += [ratio(old.get(p, "—"), row[p], higher_is_faster=True) for p in peers]
+        cells += [ratio(old.get(p, "—"), row[p]) for p in peers]
         print("| " + " | ".join(key) + " | " + " | ".join(cells) + " |")
     return 0
 

@@ -10,5 +10,5 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 rm -rf "$root/.bench_base" && mkdir "$root/.bench_base"
 git -C "$root" archive "$rev" -- kernels fa_torch fa_jax benchmarks | tar -x -C "$root/.bench_base"
 rm -f "$root"/.bench_base/benchmarks/*.png
-echo "$(git -C "$root" rev-parse --short "$rev")" > "$root/.bench_base/REV"
+git -C "$root" rev-parse --short "$rev" > "$root/.bench_base/REV"
 du -sh "$root/.bench_base"
