@@ -7,7 +7,7 @@ halved when causal; forward+backward counts 3.5x the forward. Each time is the m
 of many runs after warm-up, on random inputs.
 
     python benchmarks/bench.py [--quick] [--window W]... [--peers a,b] [--memory]
-                               [--warp-specialize]
+                               [--warp-specialize] [--gluon]
                                [--shape B,S,Hq,Hk,D,causal | B,Sq,Sk,Hq,Hk,D,causal]...
                                [--out benchmarks]            # RESULTS.md, bench.png
 
@@ -17,7 +17,9 @@ time. ``--peers`` keeps only the peers whose names contain one of the given word
 (fa_torch and fa_jax always run). ``--warp-specialize`` adds fa_torch (and fa_jax where
 jax-triton takes host descriptors) with attention_forward_ws and
 attention_backward_dkdv_ws, the one-loop kernels for Triton's Hopper warp
-specialisation, wherever they serve. ``--memory`` adds a table of peak device memory of
+specialisation, wherever they serve. ``--gluon`` adds fa_torch with the Gluon forward
+(fa_kernels.gluon_forward: sm_90, Triton >= 3.9) wherever it serves; fa_jax cannot
+launch it (fa_jax._launch.LAUNCHES_GLUON). ``--memory`` adds a table of peak device memory of
 forward+backward against the sequence length (it must grow linearly).
 """
 from __future__ import annotations
@@ -347,12 +349,26 @@ def warp_specialized_tables() -> contextlib.ExitStack:
     return stack
 
 
+GLUON = " gluon"  # the name's ending of an impl timed with the Gluon forward
+
+
+def gluon_tables() -> contextlib.ExitStack:
+    """Within: every forward entry asks for the Gluon forward (where it serves)."""
+    from fa_kernels import configs
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(configs.override(("forward",), gluon=True))
+    return stack
+
+
 def tables_for(name):
     """The tables an impl is timed with: ``warp_specialized_tables`` for a
-    WARP_SPECIALIZED name (one context around all its calls: the plans are made once and
-    cached, as with the table's own entries)."""
+    WARP_SPECIALIZED name, ``gluon_tables`` for a GLUON one (one context around all its
+    calls: the plans are made once and cached, as with the table's own entries)."""
     if name.endswith(WARP_SPECIALIZED):
         return warp_specialized_tables()
+    if name.endswith(GLUON):
+        return gluon_tables()
     return contextlib.nullcontext()
 
 
@@ -370,6 +386,8 @@ def main():
                         help="also time fa_torch (and fa_jax where jax-triton takes host "
                              "descriptors) with the warp-specialised forward and dK/dV where "
                              "they serve")
+    parser.add_argument("--gluon", action="store_true",
+                        help="also time fa_torch with the Gluon forward where it serves")
     parser.add_argument("--memory", action="store_true",
                         help="also report peak memory of fwd+bwd at S = 8k..64k")
     parser.add_argument("--dtype", default="bfloat16")
@@ -390,6 +408,8 @@ def main():
         add_window_impls(t_impls, j_impls, w)
     if args.warp_specialize:
         add_warp_specialized_impls(t_impls, j_impls)
+    if args.gluon:
+        t_impls["fa_torch" + GLUON] = t_impls["fa_torch"]
 
     chosen = [parse_shape(spec) for spec in args.shape] or shapes(args.quick)
     work = [(s, m) for s in chosen for m in modes]

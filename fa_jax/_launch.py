@@ -89,6 +89,15 @@ def plan_options() -> dict:
     return {"tma": False}
 
 
+# The Gluon forward is a warp-specialised kernel: its load warp comes on top of the
+# compute partition's num_warps (12 warps launched for num_warps 8). jax-triton 0.4.1
+# compiles Gluon kernels (GluonASTSource) and passes their descriptors' layouts, but
+# launches with the num_warps it was given, not the compiled kernel's total
+# (triton_lib.py: ``num_warps = backend_options["num_warps"]``): the load warp would
+# never run. fa_jax plans the Triton forward until jax-triton launches the total.
+LAUNCHES_GLUON = False
+
+
 def placeholder():
     """What stands in for an input the problem does not use (its flag is off)."""
     return jnp.zeros((1,), jnp.float32)

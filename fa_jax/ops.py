@@ -149,7 +149,9 @@ def _kernel_body(kind: str, whole: fa_plan.AttentionProblem, bias_grad: bool):
         problem = _at(whole, arrays)
         if kind == "forward":
             fwd = fa_plan.forward_plan(problem, capability=_launch.capability(),
-                                       num_sms=_launch.num_sms(), **_launch.plan_options())
+                                       num_sms=_launch.num_sms(),
+                                       launches_gluon=_launch.LAUNCHES_GLUON,
+                                       **_launch.plan_options())
             for launch in fwd.launches:
                 _launch.run(launch, arrays)
             return tuple(arrays[name] for name in FORWARD_OUTPUTS)

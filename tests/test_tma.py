@@ -488,3 +488,126 @@ def test_warp_specialized_entries_keep_the_forward_key_blocks():
         assert ws.num_warps == 4 and ws.block_m == 128
         assert configs.shared_memory("forward_ws", ws, block_d, 2) <= \
             configs.shared_memory_limit((9, 0))
+
+
+# The Gluon forward (fa_kernels.gluon_forward): Hopper GPUs with Triton >= 3.9 only (Gluon
+# has no interpreter), chosen where the forward entry's ``gluon`` flag is on.
+GLUON = pytest.mark.skipif(
+    not ON_GPU or CAPABILITY != (9, 0) or fa_plan.runtime.triton_version() < fa_plan.GLUON_TRITON,
+    reason="the Gluon forward runs on sm_90 GPUs with Triton >= 3.9")
+
+GLUON_CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window)
+    "d64": (2, 1000, 1000, 4, 4, 64, False, (-1, -1)),
+    "d128-causal-gqa": (2, 1037, 1037, 8, 2, 128, True, (-1, -1)),
+    "d128-odd-lengths": (1, 333, 1077, 4, 4, 128, False, (-1, -1)),
+    "d128-causal-more-queries": (1, 700, 300, 4, 1, 128, True, (-1, -1)),
+    "d256-causal": (2, 517, 517, 2, 2, 256, True, (-1, -1)),
+    "d128-window": (1, 900, 1100, 4, 2, 128, False, (200, 50)),
+}
+
+
+@GLUON
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_gluon_forward_against_reference(replace_entries, run, case):
+    # Outputs, LSE and (through the Triton backward, from the Gluon forward's O and LSE)
+    # gradients against float64. fa_jax keeps the Triton forward (jax-triton launches
+    # no warp-specialised Gluon kernel: fa_jax._launch.LAUNCHES_GLUON).
+    batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = GLUON_CASES[case]
+    replace_entries(("forward",), gluon=True)
+    from fa_torch import _launch as torch_launch
+
+    shape, kv = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_k, head_dim)
+    problem = fa_plan.check_problem(shape, kv, kv, "bfloat16", "bfloat16", "bfloat16",
+                                    causal=causal, window_size=window)
+    sms = torch_launch.num_sms(torch.device(DEVICE))
+    chosen = fa_plan.forward_plan(problem, capability=CAPABILITY, num_sms=sms).launch.kernel
+    assert chosen == "attention_forward_gluon"
+    check_against_reference(run, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
+                            "bfloat16", causal, window_size=window)
+
+
+@GLUON
+@pytest.mark.parametrize("case", GLUON_CASES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gluon_forward_against_the_plain_kernel(case, dtype):
+    # The same online softmax over the same keys; the blocks and the matmuls' tiles
+    # differ, so a sum's last bits may: within one unit of the dtype, the LSE within a
+    # few of fp32's.
+    batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = GLUON_CASES[case]
+    shape, kv = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_k, head_dim)
+    problem = fa_plan.check_problem(shape, kv, kv, dtype, dtype, dtype, causal=causal,
+                                    window_size=window)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed=5)
+    plain = fa_plan.forward_plan(problem, capability=CAPABILITY, gluon=False)
+    fast = fa_plan.forward_plan(problem, capability=CAPABILITY, gluon=True)
+    assert (plain.launch.kernel, fast.launch.kernel) == ("attention_forward",
+                                                         "attention_forward_gluon")
+    out, lse = forward_plan_torch(plain, launch_arrays(q, k, v))
+    fast_out, fast_lse = forward_plan_torch(fast, launch_arrays(q, k, v))
+    assert torch.isfinite(fast_out).all()
+    unit = torch.finfo(out.dtype).eps
+    assert (fast_out.float() - out.float()).abs().max().item() <= 2 * unit * out.abs().max().item()
+    finite = torch.isfinite(lse)
+    assert torch.equal(finite, torch.isfinite(fast_lse))
+    torch.testing.assert_close(fast_lse[finite], lse[finite],
+                               rtol=8 * torch.finfo(torch.float32).eps, atol=1e-5)
+
+
+@pytest.mark.parametrize("installed", [(3, 6), (3, 9)])
+def test_gluon_forward_only_where_it_serves(monkeypatch, replace_entries, installed):
+    # Plain 16-bit scores (any window) with D 64/128/256 through host descriptors, on an
+    # sm_90 GPU, Triton >= 3.9, a front end that launches Gluon, a tile's worth of rows:
+    # everything else keeps the Triton kernel, and so does the table while its forward
+    # entries leave ``gluon`` off.
+    monkeypatch.setattr(fa_plan.runtime, "triton_version", lambda: installed)
+    replace_entries(())  # (the plans cached under the installed version are remade)
+    shape, kv = (2, 4096, 8, 128), (2, 4096, 2, 128)
+
+    def kernel(q=shape, k=kv, dtype="bfloat16", capability=(9, 0), plan={}, **options):
+        problem = fa_plan.check_problem(q, k, k, dtype, dtype, dtype, **options)
+        launch = fa_plan.forward_plan(problem, capability=capability,
+                                      **{"gluon": True, **plan}).launch
+        return launch.kernel[len("attention_forward_"):] or "plain"
+
+    if installed < fa_plan.GLUON_TRITON:
+        assert kernel() == kernel(causal=True) == "plain"
+        return
+    assert kernel() == kernel(causal=True) == kernel(window_size=(100, 0)) == "gluon"
+    assert kernel(dtype="float16") == "gluon"
+    for d in (64, 256):
+        assert kernel(q=(2, 4096, 8, d), k=(2, 4096, 2, d)) == "gluon"
+    assert kernel(softcap=30.0) == kernel(dropout_p=0.1) == "plain"
+    assert kernel(alibi_shape=(8,), alibi_dtype="float32") == "plain"
+    assert kernel(bias_shape=(2, 8, 4096, 4096), bias_dtype="bfloat16") == "plain"
+    assert kernel(dtype="float32") == kernel(q=(2, 4096, 8, 96), k=(2, 4096, 2, 96)) == "plain"
+    assert kernel(plan=dict(host_descriptors=False)) == kernel(plan=dict(num_splits=2)) == "plain"
+    assert kernel(plan=dict(launches_gluon=False)) == kernel(plan=dict(gluon=None)) == "plain"
+    assert kernel(capability=(8, 0)) == kernel(capability=None) == "plain"
+    assert kernel(q=(2, 1, 8, 128)) == kernel(q=(2, 64, 8, 128)) == "plain"  # a tile's rows
+    assert kernel(plan=dict(q_strides=(4096 * 8 * 128, 8 * 128, 128, 1),
+                            k_strides=(4096 * 2 * 136, 2 * 136, 136, 1))) == "gluon"
+    assert kernel(plan=dict(k_strides=(4096 * 2 * 129, 2 * 129, 129, 1))) == "plain"
+    varlen = dict(cu_seqlens_q_shape=(3,), cu_seqlens_k_shape=(3,), cu_seqlens_q_dtype="int32",
+                  cu_seqlens_k_dtype="int32", max_seqlen_q=2048, max_seqlen_k=2048)
+    assert kernel(q=(4096, 8, 128), k=(4096, 2, 128), varlen=varlen) == "plain"
+    # The launch: 128 rows for two compute warpgroups, the load warp's warpgroup on top,
+    # and the registers of one program a multiprocessor shared out over all twelve warps.
+    problem = fa_plan.check_problem(shape, kv, kv, "bfloat16", "bfloat16", "bfloat16",
+                                    causal=True)
+    launch = fa_plan.forward_plan(problem, capability=(9, 0), gluon=True).launch
+    assert launch.grid == (4096 // 128, 8, 2) and launch.num_warps == 8
+    assert launch.maxnreg == 65536 // (12 * 32) // 8 * 8 == 168
+    assert launch.constexprs["GROUP_SIZE"] == 4 and launch.constexprs["LIMIT_RIGHT"]
+    assert [b.block_shape for b in launch.blocks] == [(1, 128, 1, 128), (1, 128, 1, 128),
+                                                      (1, 128, 1, 128)]
+
+
+def test_gluon_entries_fit_and_stay_off():
+    # Each Gluon tile: 16 rows a warp (wgmma's 64 a warpgroup), within the H100's shared
+    # memory; and no forward entry takes the kernel before a GPU run has measured it.
+    for (kernel, block_d), entry in configs._GPU_16BIT.items():
+        if kernel == "forward_gluon":
+            assert entry.block_m == 16 * entry.num_warps and entry.num_stages >= 2
+            assert configs.shared_memory(kernel, entry, block_d, 2) <= \
+                configs.shared_memory_limit((9, 0))
+        assert not entry.gluon

@@ -46,6 +46,12 @@ class TileConfig:
     # block_n the forward entry's: the same key blocks in the same order) or the
     # ("dkdv_ws", block_d) entry's (attention_backward_dkdv_ws).
     warp_specialize: bool = False
+    # Forward on Hopper with Triton >= 3.9: problems with plain scores (as above; any
+    # window) through host descriptors go to the Gluon kernel (gluon_forward), with the
+    # ("forward_gluon", block_d) entry's tile: block_m rows for num_warps / 4 warpgroups of
+    # 64 rows each, NUM_STAGES slots of K and V blocks of block_n rows. Off in the table
+    # until a GPU run has shown it right and faster (benchmarks/NOTES.md 38).
+    gluon: bool = False
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
@@ -64,6 +70,11 @@ _GPU_16BIT = {
     ("forward_ws", 64): TileConfig(128, 128, 4, 3, tma=True),
     ("forward_ws", 128): TileConfig(128, 64, 4, 3, tma=True),
     ("forward_ws", 256): TileConfig(128, 64, 4, 2, tma=True),
+    # attention_forward_gluon: two compute warpgroups (8 warps; the load warp is on top),
+    # the stages that fit the shared memory beside Q (offline sm_90: 112, 160, 192 KB).
+    ("forward_gluon", 64): TileConfig(128, 128, 8, 3, tma=True),
+    ("forward_gluon", 128): TileConfig(128, 128, 8, 2, tma=True),
+    ("forward_gluon", 256): TileConfig(128, 64, 8, 2, tma=True),
     # attention_backward_dkdv_ws: a 64-row key block (the pass splits no host
     # descriptor's block; two halves' fp32 dK and dV spill at D = 128), 64 query rows a
     # step, 4 warps; the stages that fit (NOTES 35).
@@ -213,6 +224,7 @@ def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_it
     dQ and stays below it for dK/dV."""
     held_rows, streamed_rows = {"forward": (cfg.block_m, 2 * cfg.block_n),
                                 "forward_ws": (cfg.block_m, 2 * cfg.block_n),
+                                "forward_gluon": (cfg.block_m, 2 * cfg.block_n),
                                 "dq": (2 * cfg.block_m, 2 * cfg.block_n),
                                 "dkdv": (2 * cfg.block_n, 2 * cfg.block_m),
                                 "dkdv_ws": (2 * cfg.block_n, 2 * cfg.block_m)}.get(kernel, (0, 0))
@@ -249,7 +261,8 @@ def override(kernels: tuple = (), entries: dict | None = None, **fields):
     * ``entries``: ``{(kernel, block_d, dtype): TileConfig}``, what a GPU gets for that
       kernel, padded head dim and dtype in place of every table's entry;
     * ``fields`` (``tma=True``, ``apart=True``, ``num_stages=2``...): set on every entry
-      of ``kernels`` ("forward", "forward_ws", "dkdv", "dkdv_ws", "dq", "preprocess"), the
+      of ``kernels`` ("forward", "forward_ws", "forward_gluon", "dkdv", "dkdv_ws", "dq",
+      "preprocess"), the
       interpreter's too.
 
     The tile is then fitted to the sequence and the device as usual. Plans made before

@@ -14,8 +14,10 @@ Arrays are anything with ``data_ptr()`` and ``dtype`` (torch tensors; in the
 interpreter, ``interpreter.HostArray``). Triton imports here; torch and jax do not: a
 kernel that builds tensor descriptors on the device needs scratch memory, which the
 caller's ``allocate`` gives. Descriptors the plan has made on the host
-(``plan.Blocks``) are Triton's ``TensorDescriptor`` over the input array, built for
-each call (their address is the array's).
+(``plan.Blocks``) are Triton's ``TensorDescriptor`` over the input array (Gluon's, with
+the shared-memory layout, for a Gluon kernel), built for each call (their address is
+the array's). A launch that sets ``maxnreg`` (a Gluon kernel whose partitions share
+out the registers) passes it to the compiler.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ _MAX_ENTRIES = 8192  # plans are cached up to 4096 each way; past this, start ov
 def _key(launch, arrays, device) -> tuple:
     return (id(launch), device,  # a descriptor's array is among the inputs
             *[(str(a.dtype), a.data_ptr() % 16 == 0) for a in arrays
-              if not isinstance(a, TensorDescriptor)])
+              if hasattr(a, "data_ptr")])
 
 
 _WITHOUT_TMA: dict = {}
@@ -84,6 +86,20 @@ def _host_descriptor(array, shape, strides, block_shape) -> TensorDescriptor:
     return TensorDescriptor(array, list(shape), list(strides), list(block_shape))
 
 
+_GLUON_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def _gluon_descriptor(array, shape, strides, block_shape):
+    """A Gluon kernel's host descriptor: Triton's, with the shared-memory layout the
+    kernel's buffers take (the widest swizzle the block allows, as Gluon's default)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    dtype = getattr(gl, _GLUON_DTYPES.get(str(array.dtype), str(array.dtype)))
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+    return GluonDescriptor(array, list(shape), list(strides), list(block_shape), layout)
+
+
 def launch(launch, inputs: list, outputs: list, device: int | None, allocate=None) -> None:
     """Launch ``launch`` on ``device`` (the current CUDA device, on its current stream; None:
     Triton's interpreter, on host memory): ``inputs`` in ``launch.inputs`` order,
@@ -91,7 +107,9 @@ def launch(launch, inputs: list, outputs: list, device: int | None, allocate=Non
     device scratch memory (anything with ``data_ptr()``) for kernels that build tensor
     descriptors."""
     launch = fit_to_arrays(launch, inputs)
-    inputs = [*inputs, *block_arguments(launch, inputs, _host_descriptor)]
+    gluon = launch.kernel in registry.GLUON_KERNELS
+    descriptor = _gluon_descriptor if gluon else _host_descriptor
+    inputs = [*inputs, *block_arguments(launch, inputs, descriptor)]
     if device is None:  # Triton's interpreter (its kernels are never cached)
         scalars = registry.scalar_arguments(launch)
         with _INTERPRETER_LOCK:
@@ -116,8 +134,10 @@ def _launch(launch, inputs: list, outputs: list, device: int) -> None:
     if entry is None:
         kernel = registry.KERNELS[launch.kernel]
         scalars = registry.scalar_arguments(launch)
+        options = {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}
         compiled = kernel[launch.grid](*inputs, *scalars, *outputs, num_warps=launch.num_warps,
-                                       num_stages=launch.num_stages, **launch.constexprs)
+                                       num_stages=launch.num_stages, **options,
+                                       **launch.constexprs)
         # The launch is kept in the entry: its id() stays its own while cached.
         tail = [launch.constexprs[name]
                 for name in kernel.arg_names[len(inputs) + len(scalars) + len(outputs):]]

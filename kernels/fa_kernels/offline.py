@@ -55,6 +55,20 @@ def input_dtypes(problem: fa_plan.AttentionProblem, plans) -> dict:
     return dtypes
 
 
+def _descriptor_type(launch, dtype: str, block_shape) -> str:
+    """The signature type of a host descriptor over a ``dtype`` array: for a Gluon kernel
+    with the shared-memory layout the launcher gives it (launcher._gluon_descriptor)."""
+    from .registry import GLUON_KERNELS
+
+    block = f"{POINTER_TYPES[dtype][1:]}[{','.join(map(str, block_shape))}]"
+    if launch.kernel not in GLUON_KERNELS:
+        return f"tensordesc<{block}>"
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, dtype))
+    return f"tensordesc<{block},{layout!r}>"
+
+
 def specialise(launch, dtypes: dict, launcher: str = "jit"):
     """(signature, constexprs, attrs) of ``launch`` as ``launcher`` makes them: "jit",
     Triton's JIT (fa_torch: every integer divisible by 16 marked so), or "jax_triton"
@@ -68,8 +82,7 @@ def specialise(launch, dtypes: dict, launcher: str = "jit"):
     arrays = [dtypes.get(name, "float32") for name in launch.inputs]
     arrays_out = [o.dtype for o in launch.outputs]
     scalars = scalar_arguments(launch)
-    blocks = [("descriptor", f"tensordesc<{POINTER_TYPES[dtypes[b.array]][1:]}"
-                             f"[{','.join(map(str, b.block_shape))}]>")
+    blocks = [("descriptor", _descriptor_type(launch, dtypes[b.array], b.block_shape))
               if b.host_descriptor else ("array", dtypes.get(b.array, "float32"))
               for b in launch.blocks]
     values = ([("array", d) for d in arrays] + blocks + [("scalar", s) for s in scalars]
@@ -111,11 +124,17 @@ def compile_launch(launch, dtypes: dict, capability: tuple[int, int] = (9, 0),
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from .registry import GLUON_KERNELS
+
     kernel, signature, constexprs, attrs = specialise(launch, dtypes, launcher)
+    if launch.kernel in GLUON_KERNELS:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    return triton.compile(source, target=target,
-                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if launch.maxnreg is not None:
+        options["maxnreg"] = launch.maxnreg
+    return triton.compile(source, target=target, options=options)
 
 
 def resources(compiled) -> tuple[int, int] | None:
@@ -216,6 +235,10 @@ def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
                        dict(tma=True, warp_specialize=True))
                 yield (f"{dtype} D={head_dim} warp specialized causal gqa",
                        check(shape, gqa_kv, causal=True), dict(tma=True, warp_specialize=True))
+                yield f"{dtype} D={head_dim} gluon", check(shape, shape), dict(gluon=True)
+                yield (f"{dtype} D={head_dim} gluon causal gqa window",
+                       check(shape, gqa_kv, causal=True, window_size=(256, -1)),
+                       dict(gluon=True))
                 yield (f"{dtype} D={head_dim} dk dv apart",
                        check(shape, gqa_kv, causal=True, softcap=30.0, dropout_p=0.1),
                        dict(apart=True))
@@ -282,7 +305,7 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
                 shared = compiled.metadata.shared
                 usage = resources(compiled)
                 verdict = "ok" if shared <= limit else f"FAIL: {shared} B of shared memory > {limit}"
-                if (launch.kernel.endswith("_ws")
+                if (launch.kernel.endswith(("_ws", "_gluon"))
                         and "ttg.warp_specialize" not in compiled.asm["ttgir"]):
                     verdict = "FAIL: not warp-specialised"  # (the pass declines silently)
             except Exception as error:  # noqa: BLE001  (report every failure, then count)

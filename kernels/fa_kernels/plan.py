@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import configs
+from . import configs, runtime
 from .configs import ITEMSIZE, TileConfig, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -102,6 +102,9 @@ class Launch:
     num_warps: int
     num_stages: int
     blocks: tuple[Blocks, ...] = ()  # the kernel's *Blocks parameters, in order
+    # Registers a thread at launch, where the kernel's partitions share them out
+    # themselves (a Gluon kernel's warp_specialize); None: the compiler's choice.
+    maxnreg: int | None = None
 
     @property
     def empty(self) -> bool:
@@ -1050,33 +1053,45 @@ def _warp_specialized_tile(kernel: str, p: AttentionProblem, wanted: bool, capab
     return ws if rows >= (16 if capability is None else 64) else None
 
 
+def _descriptor_forward_launch(kernel: str, p: AttentionProblem, tile: TileConfig,
+                               q_rows: int, q_st, k_st, v_st, o_st, l_st, outputs: tuple,
+                               constexprs: dict, **fields) -> Launch:
+    """A launch of a forward for plain scores with every block through host descriptors
+    (attention_forward_ws, attention_forward_gluon): a program per (query block of
+    ``tile.block_m`` rows, query head, batch entry), Q read ``q_rows`` rows at a time,
+    K and V ``tile.block_n``; the kernel's own ``constexprs`` and Launch ``fields`` besides."""
+    features = _feature_constexprs(p)
+    return Launch(
+        kernel=kernel,
+        grid=(_cdiv(p.seqlen_q, tile.block_m), p.heads_q, p.batch),
+        inputs=("q", "k", "v"),
+        scalars=dict(qk_scale=p.softmax_scale * score_unit(p), window_left=p.window_left,
+                     window_right=p.window_right, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+                     **_named("o", o_st, "bmh"), **_named("l", l_st, "bh")),
+        outputs=outputs,
+        constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                        GROUP_SIZE=p.group_size, LIMIT_LEFT=features["LIMIT_LEFT"],
+                        LIMIT_RIGHT=features["LIMIT_RIGHT"], **constexprs),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        blocks=_blocks(True, p.block_d, ("q", p.q_shape, q_st, q_rows),
+                       ("k", p.kv_shape, k_st, tile.block_n),
+                       ("v", p.kv_shape, v_st, tile.block_n)),
+        **fields,
+    )
+
+
 def _forward_ws_launch(p: AttentionProblem, ws, q_st, k_st, v_st, o_st, l_st,
                        outputs: tuple) -> Launch:
     """The launch of attention_forward_ws with the tile ``ws``: Q in halves of
     ``ws.block_m // 2`` rows, K and V in blocks of ``ws.block_n``, all three through host
     descriptors. Every block masked where a window limits the keys or they end inside a
     block (one loop: no unmasked run)."""
-    features = _feature_constexprs(p)
-    masked = (features["LIMIT_LEFT"] or features["LIMIT_RIGHT"]
-              or p.seqlen_k % ws.block_n != 0)
-    return Launch(
-        kernel="attention_forward_ws",
-        grid=(_cdiv(p.seqlen_q, ws.block_m), p.heads_q, p.batch),
-        inputs=("q", "k", "v"),
-        scalars=dict(qk_scale=p.softmax_scale * score_unit(p), window_left=p.window_left,
-                     window_right=p.window_right, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-                     **_named("o", o_st, "bmh"), **_named("l", l_st, "bh")),
-        outputs=outputs,
-        constexprs=dict(HEAD_DIM=p.head_dim, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
-                        GROUP_SIZE=p.group_size, LIMIT_LEFT=features["LIMIT_LEFT"],
-                        LIMIT_RIGHT=features["LIMIT_RIGHT"], MASKED=masked,
-                        DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=_aligned(o_st),
-                        WARP_SPECIALIZE=True),
-        num_warps=ws.num_warps,
-        num_stages=ws.num_stages,
-        blocks=_blocks(True, p.block_d, ("q", p.q_shape, q_st, ws.block_m // 2),
-                       ("k", p.kv_shape, k_st, ws.block_n), ("v", p.kv_shape, v_st, ws.block_n)),
-    )
+    masked = p.window_left >= 0 or p.window_right >= 0 or p.seqlen_k % ws.block_n != 0
+    return _descriptor_forward_launch(
+        "attention_forward_ws", p, ws, ws.block_m // 2, q_st, k_st, v_st, o_st, l_st, outputs,
+        dict(MASKED=masked, DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=_aligned(o_st),
+             WARP_SPECIALIZE=True))
 
 
 def _dkdv_ws_launch(p: AttentionProblem, ws: TileConfig, common_scalars: dict, q_st: tuple,
@@ -1108,6 +1123,46 @@ def _dkdv_ws_launch(p: AttentionProblem, ws: TileConfig, common_scalars: dict, q
     )
 
 
+GLUON_TRITON = (3, 9)  # the Gluon names gluon_forward uses (tma.async_load, ...)
+REGISTERS_PER_SM = 65536
+
+
+def _gluon_tile(p: AttentionProblem, wanted: bool, capability, launches_gluon: bool,
+                host: bool, *strides: tuple) -> TileConfig | None:
+    """The ("forward_gluon", D) tile when attention_forward_gluon serves the call, else
+    None: the forward entry asks for it (``wanted``), on an sm_90 GPU (Gluon has no
+    interpreter) with Triton >= 3.9 and a front end that launches Gluon kernels
+    (``launches_gluon``), for 16-bit plain scores (no softcap, bias, ALiBi or dropout;
+    any window), head dim 64, 128 or 256 (no padding columns), every block through host
+    descriptors (``host``: so not varlen, paged or with seqused_k, and these ``strides``
+    fit them), and sequences as long as the entry's tile (its rows are 64 a warpgroup)."""
+    if not (bool(wanted) and launches_gluon and capability == (9, 0)
+            and runtime.triton_version() >= GLUON_TRITON
+            and fold_scale(p) and p.dropout_p == 0 and p.dtype != "float32"
+            and p.block_d == p.head_dim >= 64
+            and _descriptors_allowed(capability, p.dtype, *strides)
+            and _host_descriptors_allowed(p, host, *strides)):
+        return None
+    entry = configs.table_entry("forward_gluon", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k)
+    cfg = tile_config("forward_gluon", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
+                      causal=p.causal)
+    fits = (cfg.block_m, cfg.block_n) == (entry.block_m, entry.block_n)
+    return cfg if fits and cfg.block_m == 16 * cfg.num_warps else None
+
+
+def _forward_gluon_launch(p: AttentionProblem, cfg: TileConfig, q_st, k_st, v_st, o_st, l_st,
+                          outputs: tuple) -> Launch:
+    """The launch of attention_forward_gluon with the tile ``cfg``: Q in blocks of
+    ``cfg.block_m`` rows, K and V in ``cfg.block_n``, all three through host descriptors,
+    ``cfg.num_stages`` slots of K and V. The load warp comes on top of ``cfg.num_warps``
+    (a warpgroup's registers: warps are given registers four at a time), and the
+    registers are shared out between the partitions from what one program may hold."""
+    warps = cfg.num_warps + 4
+    return _descriptor_forward_launch(
+        "attention_forward_gluon", p, cfg, cfg.block_m, q_st, k_st, v_st, o_st, l_st, outputs,
+        dict(NUM_STAGES=cfg.num_stages), maxnreg=REGISTERS_PER_SM // (warps * 32) // 8 * 8)
+
+
 # A plan is a pure function of a validated problem, the device and the strides (all
 # hashable): cache it, so that a call with a known shape does not rebuild it (tens of
 # microseconds of Python per call, which small problems would otherwise wait on).
@@ -1118,7 +1173,8 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
                  num_sms: int | None = None, num_splits: int | None = None,
                  tma: bool | None = None, host_descriptors: bool = True,
                  device_descriptors: bool = True,
-                 warp_specialize: bool | None = None) -> ForwardPlan:
+                 warp_specialize: bool | None = None, gluon: bool | None = None,
+                 launches_gluon: bool = True) -> ForwardPlan:
     """How to launch the forward. ``capability`` is the GPU's (major, minor), None
     for the CPU interpreter. Strides are in elements; None means contiguous.
 
@@ -1131,7 +1187,9 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     allows, else on the device where ``device_descriptors`` allows (that needs scratch
     memory from the launcher), else the blocks come through pointers.
     ``warp_specialize`` overrides the table's choice of attention_forward_ws where the
-    problem allows it (``_warp_specialized_tile``)."""
+    problem allows it (``_warp_specialized_tile``), ``gluon`` its choice of
+    attention_forward_gluon (``_gluon_tile``), which a front end that cannot launch Gluon
+    kernels refuses with ``launches_gluon`` False."""
     p = problem
     q_st = _bsh(_strides("q", p.q_shape, q_strides), p.varlen)
     k_st = _bsh(_strides("k", p.kv_shape, k_strides), p.varlen and not p.paged)
@@ -1163,6 +1221,12 @@ def forward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | Non
     results = (Output("out", p.out_shape, p.dtype, zeroed=p.varlen),
                Output("lse", p.lse_shape, "float32", zeroed=p.varlen),
                Output("lse_lo", p.lse_shape, "float32"))  # written and read with a bias only
+    fast = (None if split or packed else _gluon_tile(
+        p, cfg.gluon if gluon is None else gluon, capability, launches_gluon, host,
+        q_st, k_st, v_st, o_st))
+    if fast is not None:
+        return ForwardPlan(problem, _forward_gluon_launch(p, fast, q_st, k_st, v_st, o_st,
+                                                          l_st, results))
     ws = (None if split or packed else _warp_specialized_tile(
         "forward_ws", p, cfg.warp_specialize if warp_specialize is None else warp_specialize,
         capability, flags["HOST_TMA"], q_st, k_st, v_st))

@@ -22,6 +22,15 @@ KERNELS = {
     "dropout_mask": dropout_mask,
 }
 
+# Gluon kernels: compiled only (Gluon has no interpreter), from Triton 3.9's names on,
+# where the plan may choose them (plan.GLUON_TRITON). Their host descriptors carry the
+# shared-memory layout (launcher, offline).
+GLUON_KERNELS = frozenset({"attention_forward_gluon"})
+if not runtime.interpreting() and runtime.triton_version() >= (3, 9):
+    from .gluon_forward import attention_forward_gluon  # noqa: E402
+
+    KERNELS["attention_forward_gluon"] = attention_forward_gluon
+
 
 def scalar_arguments(launch) -> tuple:
     """``launch.scalars`` in its kernel's parameter order (they follow the inputs and the

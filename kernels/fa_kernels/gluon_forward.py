@@ -1,0 +1,245 @@
+"""The Hopper forward in Gluon: one block's softmax overlapped with the next block's q·k.
+
+Triton's language keeps a matmul in flight only as a loop-carried accumulator, so the
+plain forward (forward.attention_forward) waits for each ``q·k`` before its softmax and
+for each ``p·v`` before the next ``q·k``. Here the tensor cores are driven by hand
+(FlashAttention-3's schedule, written from its paper):
+
+- a load partition (one warp) streams K and V blocks through TMA into a ring of
+  ``NUM_STAGES`` shared-memory slots, each slot with a ready and an empty mbarrier;
+- the compute partition (two warpgroups, 64 query rows each) issues block j+1's ``q·k``
+  asynchronously, runs block j's online-softmax step while it computes, then issues
+  block j's ``p·v`` and waits only for the ``q·k``: the ``p·v`` runs on while the next
+  iteration issues its ``q·k`` and starts its softmax.
+
+The arithmetic is attention_forward's plain path (FOLD_SCALE: base 2, the scale inside
+exp2's argument; windows, the causal diagonal among them, masked by helpers.visible; a
+row that sees no key gets output 0 and LSE -inf). What it lacks (bias, ALiBi, softcap,
+dropout, varlen, paged K/V, split-KV, fp32) stays with the Triton kernel: the plan
+chooses. Gluon has no interpreter: on the CPU the plan never takes this kernel.
+
+Q, K and V are read through tensor descriptors made on the host over the (batch, seqlen,
+heads, head_dim) arrays, a block (1, rows, 1, head_dim): rows past the end of a sequence
+read as zeros. O and the LSE are written through pointers, once a program.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+from .helpers import key_blocks, visible  # noqa: E402
+
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _key_block_range(row_lo, seqlen_q, seqlen_k, window_left, window_right,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LIMIT_LEFT: gl.constexpr,
+                     LIMIT_RIGHT: gl.constexpr):
+    """(first, count, full_lo, full_hi): the key blocks rows [row_lo, row_lo + BLOCK_M) see,
+    in helpers.key_blocks' bounds, as a first block and a count of at least one (a program
+    whose rows see no key still runs one masked block, so that both partitions run the
+    same loop), and the keys [full_lo, full_hi) every row sees (blocks inside need no
+    mask)."""
+    lo, full_lo, full_hi, hi = key_blocks(row_lo, row_lo + BLOCK_M, seqlen_q, seqlen_k,
+                                          window_left, window_right, BLOCK_N, LIMIT_LEFT,
+                                          LIMIT_RIGHT)
+    first = lo // BLOCK_N
+    count = gl.maximum(gl.cdiv(hi, BLOCK_N) - first, 1)
+    return first, count, full_lo, full_hi
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                    v_ready, v_empty, batch, head, head_k, row_lo, first, count,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The load warp: Q once, then K and V block by block into the ring of slots."""
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    tma.async_load(q_desc, [batch, row_lo, head, 0], q_ready, q_smem)
+    for i in range(count):
+        slot = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        start_n = (first + i) * BLOCK_N
+        # A fresh mbarrier counts as having completed the phase before 0: the first pass
+        # through the ring does not wait.
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_load(k_desc, [batch, start_n, head_k, 0], k_ready.index(slot),
+                       k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_load(v_desc, [batch, start_n, head_k, 0], v_ready.index(slot),
+                       v_smem.index(slot))
+
+
+@gluon.jit
+def _issue_scores(q2d, k_smem, k_ready, i, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Start q·kᵀ of the i-th block once its K has landed (asynchronous)."""
+    slot = i % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), (i // NUM_STAGES) & 1)
+    k2d = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    return warpgroup_mma(q2d, k2d.permute((1, 0)), zeros, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
+                  window_right, masked, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, LIMIT_LEFT: gl.constexpr, LIMIT_RIGHT: gl.constexpr):
+    """helpers.softmax_step with FOLD_SCALE (base 2, the scale inside exp2's argument) on
+    the raw scores of the key block at ``start_n``, masked where ``masked``: returns the
+    new max, sum, the block's probabilities and the factor for what came before."""
+    if masked:  # a window edge (the causal diagonal is one) or the end of the keys cuts it
+        rows = row_lo + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        cols = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        s = gl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
+                             window_right, LIMIT_LEFT, LIMIT_RIGHT), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    # A row may have seen no key yet: exp2(-inf - -inf) would be NaN.
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - m_ref[:, None])
+    alpha = gl.exp2(m_i - m_ref)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return m_new, l_new, p, alpha
+
+
+@gluon.jit
+def _masked(start_n, full_lo, full_hi, BLOCK_N: gl.constexpr):
+    return (start_n < full_lo) | (start_n + BLOCK_N > full_hi)
+
+
+@gluon.jit
+def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                       v_empty, qk_scale, window_left, window_right, seqlen_q, seqlen_k,
+                       stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                       batch, head, row_lo, first, count, full_lo, full_hi,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, LIMIT_LEFT: gl.constexpr,
+                       LIMIT_RIGHT: gl.constexpr):
+    # Each warp owns 16 rows; a warpgroup's four warps issue one wgmma of 64 rows.
+    num_warps: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    mbarrier.wait(q_ready, 0)
+    q2d = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
+
+    s_token = _issue_scores(q2d, k_smem, k_ready, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    s = warpgroup_mma_wait(0, deps=(s_token, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    # In flight at the top of step i: block i-1's p·v. Issued in it: block i+1's q·k,
+    # then block i's p·v; waited for: the older p·v, then the q·k, so that block i's p·v
+    # runs on into step i+1.
+    for i in range(count - 1):
+        slot = i % NUM_STAGES
+        start_n = (first + i) * BLOCK_N
+        s_token = _issue_scores(q2d, k_smem, k_ready, i + 1, s_layout, BLOCK_M, BLOCK_N,
+                                HEAD_DIM, NUM_STAGES)
+        m_i, l_i, p, alpha = _softmax_step(
+            s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
+            window_right, _masked(start_n, full_lo, full_hi, BLOCK_N), s_layout, BLOCK_M,
+            BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))  # block i-1's p·v
+        mbarrier.arrive(v_empty.index((i + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=i > 0)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(slot), (i // NUM_STAGES) & 1)
+        v2d = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v2d, acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_token, ))  # block i+1's q·k
+        mbarrier.arrive(k_empty.index((i + 1) % NUM_STAGES), count=1)
+
+    last = count - 1
+    start_n = (first + last) * BLOCK_N
+    m_i, l_i, p, alpha = _softmax_step(
+        s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        _masked(start_n, full_lo, full_hi, BLOCK_N), s_layout, BLOCK_M, BLOCK_N, LIMIT_LEFT,
+        LIMIT_RIGHT)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    slot = last % NUM_STAGES
+    mbarrier.wait(v_ready.index(slot), (last // NUM_STAGES) & 1)
+    v2d = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v2d, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+    # O = acc / l, LSE = (m + log2 l) ln 2 (helpers.final_lse); a row that saw no key
+    # gets 0 and -inf.
+    l_o = gl.convert_layout(l_i, o_rows)
+    empty = l_o == 0.0
+    l_safe = gl.where(empty, 1.0, l_o)
+    out = acc / l_safe[:, None]
+    lse = gl.where(empty, float("-inf"), (gl.convert_layout(m_i, o_rows) + gl.log2(l_safe)) * LN2)
+    batch64 = batch.to(gl.int64)
+    head64 = head.to(gl.int64)
+    rows = row_lo + gl.arange(0, BLOCK_M, o_rows)
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    o_base = Out + batch64 * stride_ob + head64 * stride_oh
+    gl.store(o_base + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], out.to(dtype),
+             mask=rows[:, None] < seqlen_q)
+    gl.store(LSE + batch64 * stride_lb + head64 * stride_lh + rows, lse, mask=rows < seqlen_q)
+
+
+@gluon.jit
+def attention_forward_gluon(
+    Q, K, V, QBlocks, KBlocks, VBlocks,
+    qk_scale, window_left, window_right, seqlen_q, seqlen_k,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    Out, LSE, LSELo,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, LIMIT_LEFT: gl.constexpr, LIMIT_RIGHT: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """attention_forward's plain path (scores q·k only: no softcap, bias, ALiBi, dropout,
+    varlen, paging or split; any window) for 16-bit Q, K, V read through host descriptors
+    (``*Blocks``: Q's block is the program's BLOCK_M rows, K's and V's BLOCK_N). One
+    program per (query block, query head, batch entry). ``LSELo`` (the LSE's low part,
+    written only with a bias) is not written. BLOCK_M is 16 rows a warp of ``num_warps``
+    (the compute partition's; the load warp comes on top)."""
+    row_lo = gl.program_id(0) * BLOCK_M
+    head = gl.program_id(1)
+    batch = gl.program_id(2)
+    head_k = head // GROUP_SIZE  # GQA: a group of query heads shares K/V
+    first, count, full_lo, full_hi = _key_block_range(row_lo, seqlen_q, seqlen_k, window_left,
+                                                      window_right, BLOCK_M, BLOCK_N,
+                                                      LIMIT_LEFT, LIMIT_RIGHT)
+
+    q_smem = gl.allocate_shared_memory(QBlocks.dtype, QBlocks.block_type.shape, QBlocks.layout)
+    k_smem = gl.allocate_shared_memory(KBlocks.dtype, [NUM_STAGES] + KBlocks.block_type.shape,
+                                       KBlocks.layout)
+    v_smem = gl.allocate_shared_memory(VBlocks.dtype, [NUM_STAGES] + VBlocks.block_type.shape,
+                                       VBlocks.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                              v_ready, v_empty, qk_scale, window_left, window_right, seqlen_q,
+                              seqlen_k, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                              batch, head, row_lo, first, count, full_lo, full_hi, HEAD_DIM,
+                              BLOCK_M, BLOCK_N, NUM_STAGES, LIMIT_LEFT, LIMIT_RIGHT)),
+        (_load_partition, (QBlocks, KBlocks, VBlocks, q_smem, k_smem, v_smem, q_ready, k_ready,
+                           k_empty, v_ready, v_empty, batch, head, head_k, row_lo, first,
+                           count, BLOCK_N, NUM_STAGES)),
+    ], [1], [24])
