@@ -597,6 +597,7 @@ def test_gluon_forward_only_where_it_serves(monkeypatch, replace_entries, instal
     launch = fa_plan.forward_plan(problem, capability=(9, 0), gluon=True).launch
     assert launch.grid == (4096 // 128, 8, 2) and launch.num_warps == 8
     assert launch.maxnreg == 65536 // (12 * 32) // 8 * 8 == 168
+    assert fa_plan.Launch.from_json(launch.to_json()) == launch  # (maxnreg carried too)
     assert launch.constexprs["GROUP_SIZE"] == 4 and launch.constexprs["LIMIT_RIGHT"]
     assert [b.block_shape for b in launch.blocks] == [(1, 128, 1, 128), (1, 128, 1, 128),
                                                       (1, 128, 1, 128)]

@@ -119,7 +119,8 @@ class Launch:
                                constexprs=self.constexprs, num_warps=self.num_warps,
                                num_stages=self.num_stages,
                                blocks=[[b.array, b.shape, b.strides, b.block_shape]
-                                       for b in self.blocks]), sort_keys=True)
+                                       for b in self.blocks],
+                               maxnreg=self.maxnreg), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Launch":
@@ -132,7 +133,8 @@ class Launch:
                    num_stages=d["num_stages"],
                    blocks=tuple(Blocks(a, tuple(shape), tuple(strides),
                                        None if block is None else tuple(block))
-                                for a, shape, strides, block in d["blocks"]))
+                                for a, shape, strides, block in d["blocks"]),
+                   maxnreg=d["maxnreg"])
 
 
 @dataclass(frozen=True)
