@@ -18,7 +18,7 @@ time. ``--peers`` keeps only the peers whose names contain one of the given word
 jax-triton takes host descriptors) with attention_forward_ws and
 attention_backward_dkdv_ws, the one-loop kernels for Triton's Hopper warp
 specialisation, wherever they serve. ``--gluon`` adds fa_torch with the Gluon forward
-(fa_kernels.gluon_forward: sm_90, Triton >= 3.9) wherever it serves; fa_jax cannot
+(fa_kernels.gluon_forward: sm_90) wherever it serves; fa_jax cannot
 launch it (fa_jax._launch.LAUNCHES_GLUON). ``--memory`` adds a table of peak device memory of
 forward+backward against the sequence length (it must grow linearly).
 """

@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-from fa_kernels import plan, runtime
-
 
 @pytest.mark.parametrize("capability", ["9.0", "8.0"])
 def test_every_variant_compiles(capability):
@@ -26,10 +24,10 @@ def test_every_variant_compiles(capability):
     assert lines[-1] == "0 failed"
     # every variant's launches compiled (sm_80 takes D = 128 only: no descriptors there)
     assert sum(" ok" in line for line in lines) >= (40 if capability == "9.0" else 30)
-    # the Gluon forward among them where the plan can take it (sm_90, Triton >= 3.9), in
-    # its warp-specialised form (offline.check fails one that is not)
+    # the Gluon forward among them where the plan can take it (sm_90), in its
+    # warp-specialised form (offline.check fails one that is not)
     gluon = [line for line in lines if "attention_forward_gluon" in line]
-    if capability == "9.0" and runtime.triton_version() >= plan.GLUON_TRITON:
+    if capability == "9.0":
         assert len(gluon) >= 4
     else:
         assert not gluon

@@ -490,11 +490,10 @@ def test_warp_specialized_entries_keep_the_forward_key_blocks():
             configs.shared_memory_limit((9, 0))
 
 
-# The Gluon forward (fa_kernels.gluon_forward): Hopper GPUs with Triton >= 3.9 only (Gluon
-# has no interpreter), chosen where the forward entry's ``gluon`` flag is on.
-GLUON = pytest.mark.skipif(
-    not ON_GPU or CAPABILITY != (9, 0) or fa_plan.runtime.triton_version() < fa_plan.GLUON_TRITON,
-    reason="the Gluon forward runs on sm_90 GPUs with Triton >= 3.9")
+# The Gluon forward (fa_kernels.gluon_forward): Hopper GPUs only (Gluon has no
+# interpreter), chosen where the forward entry's ``gluon`` flag is on.
+GLUON = pytest.mark.skipif(not ON_GPU or CAPABILITY != (9, 0),
+                           reason="the Gluon forward runs on sm_90 GPUs")
 
 GLUON_CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window)
     "d64": (2, 1000, 1000, 4, 4, 64, False, (-1, -1)),
@@ -553,14 +552,11 @@ def test_gluon_forward_against_the_plain_kernel(case, dtype):
                                rtol=8 * torch.finfo(torch.float32).eps, atol=1e-5)
 
 
-@pytest.mark.parametrize("installed", [(3, 6), (3, 9)])
-def test_gluon_forward_only_where_it_serves(monkeypatch, replace_entries, installed):
+def test_gluon_forward_only_where_it_serves():
     # Plain 16-bit scores (any window) with D 64/128/256 through host descriptors, on an
-    # sm_90 GPU, Triton >= 3.9, a front end that launches Gluon, a tile's worth of rows:
-    # everything else keeps the Triton kernel, and so does the table while its forward
-    # entries leave ``gluon`` off.
-    monkeypatch.setattr(fa_plan.runtime, "triton_version", lambda: installed)
-    replace_entries(())  # (the plans cached under the installed version are remade)
+    # sm_90 GPU, a front end that launches Gluon, a tile's worth of rows: everything else
+    # keeps the Triton kernel, and so does the table while its forward entries leave
+    # ``gluon`` off.
     shape, kv = (2, 4096, 8, 128), (2, 4096, 2, 128)
 
     def kernel(q=shape, k=kv, dtype="bfloat16", capability=(9, 0), plan={}, **options):
@@ -569,9 +565,6 @@ def test_gluon_forward_only_where_it_serves(monkeypatch, replace_entries, instal
                                       **{"gluon": True, **plan}).launch
         return launch.kernel[len("attention_forward_"):] or "plain"
 
-    if installed < fa_plan.GLUON_TRITON:
-        assert kernel() == kernel(causal=True) == "plain"
-        return
     assert kernel() == kernel(causal=True) == kernel(window_size=(100, 0)) == "gluon"
     assert kernel(dtype="float16") == "gluon"
     for d in (64, 256):

@@ -46,8 +46,8 @@ class TileConfig:
     # block_n the forward entry's: the same key blocks in the same order) or the
     # ("dkdv_ws", block_d) entry's (attention_backward_dkdv_ws).
     warp_specialize: bool = False
-    # Forward on Hopper with Triton >= 3.9: problems with plain scores (as above; any
-    # window) through host descriptors go to the Gluon kernel (gluon_forward), with the
+    # Forward on Hopper: problems with plain scores (as above; any window) through host
+    # descriptors go to the Gluon kernel (gluon_forward), with the
     # ("forward_gluon", block_d) entry's tile: block_m rows for num_warps / 4 warpgroups of
     # 64 rows each, NUM_STAGES slots of K and V blocks of block_n rows. Off in the table
     # until a GPU run has shown it right and faster (benchmarks/NOTES.md 38).

@@ -30,6 +30,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 
 from .helpers import key_blocks, visible  # noqa: E402
 
+# The one name that differs between the Triton releases supported (3.6-3.9): the TMA load
+# is async_copy_global_to_shared up to 3.7, async_load from 3.8 (3.9 keeps the old name
+# only to raise).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
@@ -56,7 +61,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_r
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The load warp: Q once, then K and V block by block into the ring of slots."""
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-    tma.async_load(q_desc, [batch, row_lo, head, 0], q_ready, q_smem)
+    _tma_load(q_desc, [batch, row_lo, head, 0], q_ready, q_smem)
     for i in range(count):
         slot = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
@@ -65,11 +70,11 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_r
         # through the ring does not wait.
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_load(k_desc, [batch, start_n, head_k, 0], k_ready.index(slot),
+        _tma_load(k_desc, [batch, start_n, head_k, 0], k_ready.index(slot),
                        k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_load(v_desc, [batch, start_n, head_k, 0], v_ready.index(slot),
+        _tma_load(v_desc, [batch, start_n, head_k, 0], v_ready.index(slot),
                        v_smem.index(slot))
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import configs, runtime
+from . import configs
 from .configs import ITEMSIZE, TileConfig, seqlen_bucket, tile_config
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -1125,7 +1125,6 @@ def _dkdv_ws_launch(p: AttentionProblem, ws: TileConfig, common_scalars: dict, q
     )
 
 
-GLUON_TRITON = (3, 9)  # the Gluon names gluon_forward uses (tma.async_load, ...)
 REGISTERS_PER_SM = 65536
 
 
@@ -1133,13 +1132,11 @@ def _gluon_tile(p: AttentionProblem, wanted: bool, capability, launches_gluon: b
                 host: bool, *strides: tuple) -> TileConfig | None:
     """The ("forward_gluon", D) tile when attention_forward_gluon serves the call, else
     None: the forward entry asks for it (``wanted``), on an sm_90 GPU (Gluon has no
-    interpreter) with Triton >= 3.9 and a front end that launches Gluon kernels
-    (``launches_gluon``), for 16-bit plain scores (no softcap, bias, ALiBi or dropout;
+    interpreter) and a front end that launches Gluon kernels (``launches_gluon``), for 16-bit plain scores (no softcap, bias, ALiBi or dropout;
     any window), head dim 64, 128 or 256 (no padding columns), every block through host
     descriptors (``host``: so not varlen, paged or with seqused_k, and these ``strides``
     fit them), and sequences as long as the entry's tile (its rows are 64 a warpgroup)."""
     if not (bool(wanted) and launches_gluon and capability == (9, 0)
-            and runtime.triton_version() >= GLUON_TRITON
             and fold_scale(p) and p.dropout_p == 0 and p.dtype != "float32"
             and p.block_d == p.head_dim >= 64
             and _descriptors_allowed(capability, p.dtype, *strides)

@@ -22,11 +22,10 @@ KERNELS = {
     "dropout_mask": dropout_mask,
 }
 
-# Gluon kernels: compiled only (Gluon has no interpreter), from Triton 3.9's names on,
-# where the plan may choose them (plan.GLUON_TRITON). Their host descriptors carry the
-# shared-memory layout (launcher, offline).
+# Gluon kernels: compiled only (Gluon has no interpreter: the plan never chooses them
+# there). Their host descriptors carry the shared-memory layout (launcher, offline).
 GLUON_KERNELS = frozenset({"attention_forward_gluon"})
-if not runtime.interpreting() and runtime.triton_version() >= (3, 9):
+if not runtime.interpreting():
     from .gluon_forward import attention_forward_gluon  # noqa: E402
 
     KERNELS["attention_forward_gluon"] = attention_forward_gluon

@@ -60,20 +60,6 @@ def driver_cuda_version() -> str | None:
     return f"{version.value // 1000}.{version.value % 1000 // 10}"
 
 
-@functools.lru_cache(maxsize=None)
-def triton_version() -> tuple[int, int]:
-    """The installed Triton's (major, minor), read from its metadata without importing it
-    ((0, 0) when it is not installed): the plan chooses kernels by it."""
-    from importlib import metadata
-
-    try:
-        release = metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        return (0, 0)
-    major, minor = (release.split("+")[0].split(".") + ["0"])[:2]
-    return (int(major), int("".join(c for c in minor if c.isdigit()) or 0))
-
-
 _decided: bool | None = None  # set once configure() has run: the answer cannot change after
 
 
