@@ -507,10 +507,10 @@ GLUON_CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causa
 
 @GLUON
 @pytest.mark.parametrize("case", GLUON_CASES)
-def test_gluon_forward_against_reference(replace_entries, run, case):
+def test_gluon_forward_against_reference(replace_entries, case):
     # Outputs, LSE and (through the Triton backward, from the Gluon forward's O and LSE)
-    # gradients against float64. fa_jax keeps the Triton forward (jax-triton launches
-    # no warp-specialised Gluon kernel: fa_jax._launch.LAUNCHES_GLUON).
+    # gradients against float64, through fa_torch. fa_jax keeps the Triton forward
+    # (jax-triton launches no warp-specialised Gluon kernel: fa_jax._launch.LAUNCHES_GLUON).
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = GLUON_CASES[case]
     replace_entries(("forward",), gluon=True)
     from fa_torch import _launch as torch_launch
@@ -521,7 +521,7 @@ def test_gluon_forward_against_reference(replace_entries, run, case):
     sms = torch_launch.num_sms(torch.device(DEVICE))
     chosen = fa_plan.forward_plan(problem, capability=CAPABILITY, num_sms=sms).launch.kernel
     assert chosen == "attention_forward_gluon"
-    check_against_reference(run, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
+    check_against_reference(run_torch, batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim,
                             "bfloat16", causal, window_size=window)
 
 
