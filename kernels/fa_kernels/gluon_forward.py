@@ -28,15 +28,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                               warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .helpers import key_blocks, visible  # noqa: E402
+from .helpers import LN2, key_blocks, visible
 
 # The one name that differs between the Triton releases supported (3.6-3.9): the TMA load
 # is async_copy_global_to_shared up to 3.7, async_load from 3.8 (3.9 keeps the old name
 # only to raise).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-
 
 @gluon.jit
 def _key_block_range(row_lo, seqlen_q, seqlen_k, window_left, window_right,
