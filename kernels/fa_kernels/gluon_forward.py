@@ -7,10 +7,13 @@ for each ``p·v`` before the next ``q·k``. Here the tensor cores are driven by 
 
 - a load partition (one warp) streams K and V blocks through TMA into a ring of
   ``NUM_STAGES`` shared-memory slots, each slot with a ready and an empty mbarrier;
-- the compute partition (two warpgroups, 64 query rows each) issues block j+1's ``q·k``
-  asynchronously, runs block j's online-softmax step while it computes, then issues
-  block j's ``p·v`` and waits only for the ``q·k``: the ``p·v`` runs on while the next
-  iteration issues its ``q·k`` and starts its softmax.
+- the compute partition (two warpgroups, 64 query rows each) issues block j's ``q·k``
+  and block j-1's ``p·v`` (P from registers) asynchronously, waits for the ``q·k`` only,
+  and runs block j's online-softmax step while the ``p·v`` runs on the tensor cores;
+  then it waits for the ``p·v`` and rescales the sum. Both matmuls end within the step:
+  one left in flight across the loop's back edge has its accumulator copied there, and
+  ptxas then serialises every wgmma of the kernel (its warning C7514, which
+  ``fa_kernels.offline`` turns into a failure for this kernel).
 
 The arithmetic is attention_forward's plain path (FOLD_SCALE: base 2, the scale inside
 exp2's argument; windows, the causal diagonal among them, masked by helpers.visible; a
@@ -25,7 +28,6 @@ read as zeros. O and the LSE are written through pointers, once a program.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
 from .helpers import LN2, key_blocks, visible
@@ -87,6 +89,17 @@ def _issue_scores(q2d, k_smem, k_ready, i, s_layout: gl.constexpr, BLOCK_M: gl.c
 
 
 @gluon.jit
+def _issue_values(p, v_smem, v_ready, acc, i, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  NUM_STAGES: gl.constexpr):
+    """Start ``acc + p·v`` of the i-th block once its V has landed (asynchronous; P, the
+    block's probabilities, from registers)."""
+    slot = i % NUM_STAGES
+    mbarrier.wait(v_ready.index(slot), (i // NUM_STAGES) & 1)
+    v2d = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    return warpgroup_mma(p, v2d, acc, is_async=True)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
                   window_right, masked, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, LIMIT_LEFT: gl.constexpr, LIMIT_RIGHT: gl.constexpr):
@@ -136,45 +149,40 @@ def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_emp
     q2d = q_smem.reshape([BLOCK_M, HEAD_DIM])
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
-    s_token = _issue_scores(q2d, k_smem, k_ready, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES)
-    s = warpgroup_mma_wait(0, deps=(s_token, ))
+    # Block 0's scores and probabilities (nothing to overlap with yet).
+    s = warpgroup_mma_wait(0, deps=(_issue_scores(q2d, k_smem, k_ready, 0, s_layout, BLOCK_M,
+                                                  BLOCK_N, HEAD_DIM, NUM_STAGES), ))
     mbarrier.arrive(k_empty.index(0), count=1)
-    # In flight at the top of step i: block i-1's p·v. Issued in it: block i+1's q·k,
-    # then block i's p·v; waited for: the older p·v, then the q·k, so that block i's p·v
-    # runs on into step i+1.
-    for i in range(count - 1):
-        slot = i % NUM_STAGES
-        start_n = (first + i) * BLOCK_N
-        s_token = _issue_scores(q2d, k_smem, k_ready, i + 1, s_layout, BLOCK_M, BLOCK_N,
-                                HEAD_DIM, NUM_STAGES)
-        m_i, l_i, p, alpha = _softmax_step(
-            s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
-            window_right, _masked(start_n, full_lo, full_hi, BLOCK_N), s_layout, BLOCK_M,
-            BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))  # block i-1's p·v
-        mbarrier.arrive(v_empty.index((i + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=i > 0)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        mbarrier.wait(v_ready.index(slot), (i // NUM_STAGES) & 1)
-        v2d = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v2d, acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_token, ))  # block i+1's q·k
-        mbarrier.arrive(k_empty.index((i + 1) % NUM_STAGES), count=1)
-
-    last = count - 1
-    start_n = (first + last) * BLOCK_N
+    start_n = first * BLOCK_N
     m_i, l_i, p, alpha = _softmax_step(
         s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
         _masked(start_n, full_lo, full_hi, BLOCK_N), s_layout, BLOCK_M, BLOCK_N, LIMIT_LEFT,
         LIMIT_RIGHT)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    slot = last % NUM_STAGES
-    mbarrier.wait(v_ready.index(slot), (last // NUM_STAGES) & 1)
-    v2d = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v2d, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    # Step i: block i's q·k and block i-1's p·v issued; block i's softmax once its q·k is
+    # done, while the p·v runs; then the p·v waited for and the sum rescaled. Both matmuls
+    # end inside the step: a matmul in flight across the loop's back edge has its
+    # accumulator copied there, and ptxas then serialises every wgmma (C7514).
+    for i in range(1, count):
+        s_token = _issue_scores(q2d, k_smem, k_ready, i, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                NUM_STAGES)
+        acc = _issue_values(p, v_smem, v_ready, acc, i - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        s = warpgroup_mma_wait(1, deps=(s_token, ))  # block i's q·k (the older of the two)
+        mbarrier.arrive(k_empty.index(i % NUM_STAGES), count=1)
+        start_n = (first + i) * BLOCK_N
+        m_i, l_i, p_next, alpha = _softmax_step(
+            s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
+            window_right, _masked(start_n, full_lo, full_hi, BLOCK_N), s_layout, BLOCK_M,
+            BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+        # (p is the p·v's operand in registers: kept alive until that matmul is done)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        mbarrier.arrive(v_empty.index((i - 1) % NUM_STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p = gl.convert_layout(p_next.to(dtype), p_layout)
+    acc = _issue_values(p, v_smem, v_ready, acc, count - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
 
     # O = acc / l, LSE = (m + log2 l) ln 2 (helpers.final_lse); a row that saw no key
     # gets 0 and -inf.

@@ -156,9 +156,9 @@ def resources(compiled) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def spills(compiled, capability: tuple[int, int]) -> tuple[int, int] | None:
-    """(spill store bytes, spill load bytes) that the ptxas Triton itself uses for this
-    GPU reports for the PTX (Triton 3.9 assembles sm_90 with its newer `ptxas-blackwell`)."""
+def ptxas_report(compiled, capability: tuple[int, int]) -> str:
+    """What the ptxas Triton itself uses for this GPU says of the kernel's PTX with -v
+    (Triton 3.9 assembles sm_90 with its newer `ptxas-blackwell`); "" where it cannot run."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     tool = get_ptxas(capability[0] * 10 + capability[1]).path
@@ -168,13 +168,25 @@ def spills(compiled, capability: tuple[int, int]) -> tuple[int, int] | None:
         with open(ptx, "w") as file:
             file.write(compiled.asm["ptx"])
         try:
-            text = subprocess.run([tool, "-v", f"--gpu-name={arch}", ptx, "-o",
+            return subprocess.run([tool, "-v", f"--gpu-name={arch}", ptx, "-o",
                                    os.path.join(folder, "kernel.cubin")],
                                   capture_output=True, text=True, timeout=300).stderr
         except OSError:
-            return None
-    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+            return ""
+
+
+def spills(compiled, capability: tuple[int, int]) -> tuple[int, int] | None:
+    """(spill store bytes, spill load bytes) of the kernel, as ptxas reports them."""
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                      ptxas_report(compiled, capability))
     return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def wgmma_serialized(compiled, capability: tuple[int, int]) -> bool:
+    """Whether ptxas waits for each wgmma as it is issued (its C7514/C7515 "Potential
+    Performance Loss: wgmma.mma_async instructions are serialized"): what a kernel built
+    to overlap its matmuls with other work must not get."""
+    return "wgmma.mma_async instructions are serialized" in ptxas_report(compiled, capability)
 
 
 def resource_table(capability: tuple[int, int], out=sys.stdout) -> None:
@@ -308,6 +320,8 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
                 if (launch.kernel.endswith(("_ws", "_gluon"))
                         and "ttg.warp_specialize" not in compiled.asm["ttgir"]):
                     verdict = "FAIL: not warp-specialised"  # (the pass declines silently)
+                if launch.kernel.endswith("_gluon") and wgmma_serialized(compiled, capability):
+                    verdict = "FAIL: ptxas serialises its wgmma (C7514: no overlap)"
             except Exception as error:  # noqa: BLE001  (report every failure, then count)
                 shared, verdict = 0, f"FAIL: {type(error).__name__}: {str(error)[:300]}"
             failures += verdict != "ok"
