@@ -7,13 +7,12 @@ for each ``p·v`` before the next ``q·k``. Here the tensor cores are driven by 
 
 - a load partition (one warp) streams K and V blocks through TMA into a ring of
   ``NUM_STAGES`` shared-memory slots, each slot with a ready and an empty mbarrier;
-- the compute partition (two warpgroups, 64 query rows each) issues block j's ``q·k``
-  and block j-1's ``p·v`` (P from registers) asynchronously, waits for the ``q·k`` only,
-  and runs block j's online-softmax step while the ``p·v`` runs on the tensor cores;
-  then it waits for the ``p·v`` and rescales the sum. Both matmuls end within the step:
-  one left in flight across the loop's back edge has its accumulator copied there, and
-  ptxas then serialises every wgmma of the kernel (its warning C7514, which
-  ``fa_kernels.offline`` turns into a failure for this kernel).
+- the compute partition (two warpgroups, 64 query rows each) issues block j's ``q·k``,
+  rescales the running sum while it runs, issues block j-1's ``p·v`` (P from registers),
+  waits for the ``q·k`` only, and runs block j's online-softmax step while the ``p·v``
+  runs on the tensor cores; then it waits for the ``p·v``. What ptxas makes of this is
+  checked offline (``fa_kernels.offline``: no serialised wgmma, exp2s beside the
+  ``p·v``), and the loop's comments say what each of those needs.
 
 The arithmetic is attention_forward's plain path (FOLD_SCALE: base 2, the scale inside
 exp2's argument; windows, the causal diagonal among them, masked by helpers.visible; a
@@ -101,12 +100,13 @@ def _issue_values(p, v_smem, v_ready, acc, i, BLOCK_N: gl.constexpr, HEAD_DIM: g
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
-                  window_right, masked, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, LIMIT_LEFT: gl.constexpr, LIMIT_RIGHT: gl.constexpr):
+                  window_right, MASKED: gl.constexpr, s_layout: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LIMIT_LEFT: gl.constexpr,
+                  LIMIT_RIGHT: gl.constexpr):
     """helpers.softmax_step with FOLD_SCALE (base 2, the scale inside exp2's argument) on
-    the raw scores of the key block at ``start_n``, masked where ``masked``: returns the
+    the raw scores of the key block at ``start_n``, masked with ``MASKED``: returns the
     new max, sum, the block's probabilities and the factor for what came before."""
-    if masked:  # a window edge (the causal diagonal is one) or the end of the keys cuts it
+    if MASKED:  # a window edge (the causal diagonal is one) or the end of the keys cuts it
         rows = row_lo + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         s = gl.where(visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left,
@@ -118,11 +118,6 @@ def _softmax_step(s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, wi
     alpha = gl.exp2(m_i - m_ref)
     l_new = l_i * alpha + gl.sum(p, 1)
     return m_new, l_new, p, alpha
-
-
-@gluon.jit
-def _masked(start_n, full_lo, full_hi, BLOCK_N: gl.constexpr):
-    return (start_n < full_lo) | (start_n + BLOCK_N > full_hi)
 
 
 @gluon.jit
@@ -155,34 +150,40 @@ def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_emp
     s = warpgroup_mma_wait(0, deps=(_issue_scores(q2d, k_smem, k_ready, 0, s_layout, BLOCK_M,
                                                   BLOCK_N, HEAD_DIM, NUM_STAGES), ))
     mbarrier.arrive(k_empty.index(0), count=1)
-    start_n = first * BLOCK_N
     m_i, l_i, p, alpha = _softmax_step(
-        s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-        _masked(start_n, full_lo, full_hi, BLOCK_N), s_layout, BLOCK_M, BLOCK_N, LIMIT_LEFT,
-        LIMIT_RIGHT)
-    p = gl.convert_layout(p.to(dtype), p_layout)
-    # Step i: block i's q·k and block i-1's p·v issued; block i's softmax once its q·k is
-    # done, while the p·v runs; then the p·v waited for and the sum rescaled. Both matmuls
-    # end inside the step: a matmul in flight across the loop's back edge has its
-    # accumulator copied there, and ptxas then serialises every wgmma (C7514).
+        s, m_i, l_i, first * BLOCK_N, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
+        window_right, True, s_layout, BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    # Step i: block i's q·k issued, the sum rescaled (alpha of block i-1) while it runs,
+    # block i-1's p·v issued; block i's softmax once its q·k is done, while the p·v runs;
+    # then the p·v waited for. Both matmuls end inside the step: one left in flight across
+    # the loop's back edge has its accumulator copied there, and ptxas then serialises every
+    # wgmma (C7514). The softmax is whole inside each arm of the masked/unmasked branch:
+    # ptxas moves a wait up to the top of its basic block, so the p·v's wait must open a
+    # block of its own after the exp2s, or it lands before them and nothing overlaps.
     for i in range(1, count):
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         s_token = _issue_scores(q2d, k_smem, k_ready, i, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
                                 NUM_STAGES)
-        acc = _issue_values(p, v_smem, v_ready, acc, i - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        acc = _issue_values(p_op, v_smem, v_ready, acc, i - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
         s = warpgroup_mma_wait(1, deps=(s_token, ))  # block i's q·k (the older of the two)
         mbarrier.arrive(k_empty.index(i % NUM_STAGES), count=1)
         start_n = (first + i) * BLOCK_N
-        m_i, l_i, p_next, alpha = _softmax_step(
-            s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
-            window_right, _masked(start_n, full_lo, full_hi, BLOCK_N), s_layout, BLOCK_M,
-            BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
-        # (p is the p·v's operand in registers: kept alive until that matmul is done)
-        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        if (start_n < full_lo) | (start_n + BLOCK_N > full_hi):
+            m_i, l_i, p, alpha = _softmax_step(
+                s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
+                window_right, True, s_layout, BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+        else:
+            m_i, l_i, p, alpha = _softmax_step(
+                s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
+                window_right, False, s_layout, BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+        # (p_op is the p·v's operand in registers: kept alive until that matmul is done)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index((i - 1) % NUM_STAGES), count=1)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p = gl.convert_layout(p_next.to(dtype), p_layout)
-    acc = _issue_values(p, v_smem, v_ready, acc, count - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
-    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    acc = _issue_values(p_op, v_smem, v_ready, acc, count - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
 
     # O = acc / l, LSE = (m + log2 l) ln 2 (helpers.final_lse); a row that saw no key
     # gets 0 and -inf.

@@ -189,6 +189,36 @@ def wgmma_serialized(compiled, capability: tuple[int, int]) -> bool:
     return "wgmma.mma_async instructions are serialized" in ptxas_report(compiled, capability)
 
 
+def exp2s_beside_pv(compiled, capability: tuple[int, int]) -> int:
+    """How many MUFU.EX2 the SASS places while the main loop's first ``p·v`` (the first
+    wgmma reading its A operand from registers) runs: between its issue and the wait
+    for it. A kernel that overlaps the softmax with that matmul has many; ptxas moving
+    the wait up leaves none."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        try:
+            sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True,
+                                  timeout=120).stdout
+        except OSError:
+            return 0
+    lines = [line.split(";")[0] for line in sass.splitlines() if "/*" in line]
+    issued = next((k for k, line in enumerate(lines)
+                   if "HGMMA" in line and "gdesc" not in line.split(",")[1]), None)
+    if issued is None:
+        return 0
+    count = 0
+    for line in lines[issued:]:
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            return count
+        count += "MUFU.EX2" in line
+    return count
+
+
 def resource_table(capability: tuple[int, int], out=sys.stdout) -> None:
     """One line per main kernel (bf16, D 64/128/256, causal or not, the plan's table as
     fa_torch launches it): shared memory, registers, stack and spills, to compare Triton
@@ -322,6 +352,9 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
                     verdict = "FAIL: not warp-specialised"  # (the pass declines silently)
                 if launch.kernel.endswith("_gluon") and wgmma_serialized(compiled, capability):
                     verdict = "FAIL: ptxas serialises its wgmma (C7514: no overlap)"
+                elif launch.kernel.endswith("_gluon") and not exp2s_beside_pv(compiled,
+                                                                               capability):
+                    verdict = "FAIL: no exp2 while the p·v runs (the wait moved up)"
             except Exception as error:  # noqa: BLE001  (report every failure, then count)
                 shared, verdict = 0, f"FAIL: {type(error).__name__}: {str(error)[:300]}"
             failures += verdict != "ok"
