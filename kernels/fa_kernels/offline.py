@@ -137,9 +137,9 @@ def compile_launch(launch, dtypes: dict, capability: tuple[int, int] = (9, 0),
     return triton.compile(source, target=target, options=options)
 
 
-def resources(compiled) -> tuple[int, int] | None:
-    """(registers a thread, stack bytes a thread) of a compiled kernel, from the cubin by
-    the cuobjdump bundled with Triton; None where it cannot be read."""
+def _cuobjdump(compiled, *options: str) -> str:
+    """What the cuobjdump bundled with Triton prints of the kernel's cubin ("" where it
+    cannot run)."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -148,11 +148,16 @@ def resources(compiled) -> tuple[int, int] | None:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         try:
-            text = subprocess.run([tool, "--dump-resource-usage", cubin.name],
-                                  capture_output=True, text=True, timeout=60).stdout
+            return subprocess.run([tool, *options, cubin.name], capture_output=True,
+                                  text=True, timeout=120).stdout
         except OSError:
-            return None
-    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+            return ""
+
+
+def resources(compiled) -> tuple[int, int] | None:
+    """(registers a thread, stack bytes a thread) of a compiled kernel, from the cubin;
+    None where it cannot be read."""
+    found = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(compiled, "--dump-resource-usage"))
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
@@ -189,24 +194,13 @@ def wgmma_serialized(compiled, capability: tuple[int, int]) -> bool:
     return "wgmma.mma_async instructions are serialized" in ptxas_report(compiled, capability)
 
 
-def exp2s_beside_pv(compiled, capability: tuple[int, int]) -> int:
+def exp2s_beside_pv(compiled) -> int:
     """How many MUFU.EX2 the SASS places while the main loop's first ``p·v`` (the first
     wgmma reading its A operand from registers) runs: between its issue and the wait
     for it. A kernel that overlaps the softmax with that matmul has many; ptxas moving
     the wait up leaves none."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        try:
-            sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True,
-                                  timeout=120).stdout
-        except OSError:
-            return 0
-    lines = [line.split(";")[0] for line in sass.splitlines() if "/*" in line]
+    lines = [line.split(";")[0] for line in _cuobjdump(compiled, "-sass").splitlines()
+             if "/*" in line]
     issued = next((k for k, line in enumerate(lines)
                    if "HGMMA" in line and "gdesc" not in line.split(",")[1]), None)
     if issued is None:
@@ -352,8 +346,7 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
                     verdict = "FAIL: not warp-specialised"  # (the pass declines silently)
                 if launch.kernel.endswith("_gluon") and wgmma_serialized(compiled, capability):
                     verdict = "FAIL: ptxas serialises its wgmma (C7514: no overlap)"
-                elif launch.kernel.endswith("_gluon") and not exp2s_beside_pv(compiled,
-                                                                               capability):
+                elif launch.kernel.endswith("_gluon") and not exp2s_beside_pv(compiled):
                     verdict = "FAIL: no exp2 while the p·v runs (the wait moved up)"
             except Exception as error:  # noqa: BLE001  (report every failure, then count)
                 shared, verdict = 0, f"FAIL: {type(error).__name__}: {str(error)[:300]}"
