@@ -352,13 +352,11 @@ def warp_specialized_tables() -> contextlib.ExitStack:
 GLUON = " gluon"  # the name's ending of an impl timed with the Gluon forward
 
 
-def gluon_tables() -> contextlib.ExitStack:
+def gluon_tables():
     """Within: every forward entry asks for the Gluon forward (where it serves)."""
     from fa_kernels import configs
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(configs.override(("forward",), gluon=True))
-    return stack
+    return configs.override(("forward",), gluon=True)
 
 
 def tables_for(name):

@@ -24,6 +24,8 @@ Q, K and V are read through tensor descriptors made on the host over the (batch,
 heads, head_dim) arrays, a block (1, rows, 1, head_dim): rows past the end of a sequence
 read as zeros. O and the LSE are written through pointers, once a program.
 """
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
@@ -35,6 +37,14 @@ from .helpers import LN2, key_blocks, visible
 # is async_copy_global_to_shared up to 3.7, async_load from 3.8 (3.9 keeps the old name
 # only to raise).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(block_shape: tuple, dtype: str):
+    """The shared-memory layout of a host descriptor's block (``dtype`` by name): Gluon's
+    default for the block, the widest swizzle it allows. The launcher's descriptors and
+    the offline compile's signature both take it from here, so they agree."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, dtype))
 
 @gluon.jit
 def _key_block_range(row_lo, seqlen_q, seqlen_k, window_left, window_right,

@@ -86,17 +86,14 @@ def _host_descriptor(array, shape, strides, block_shape) -> TensorDescriptor:
     return TensorDescriptor(array, list(shape), list(strides), list(block_shape))
 
 
-_GLUON_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-
-
 def _gluon_descriptor(array, shape, strides, block_shape):
     """A Gluon kernel's host descriptor: Triton's, with the shared-memory layout the
-    kernel's buffers take (the widest swizzle the block allows, as Gluon's default)."""
-    from triton.experimental.gluon import language as gl
+    kernel's buffers take (gluon_forward.shared_layout)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    dtype = getattr(gl, _GLUON_DTYPES.get(str(array.dtype), str(array.dtype)))
-    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+    from .gluon_forward import shared_layout
+
+    layout = shared_layout(tuple(block_shape), str(array.dtype).removeprefix("torch."))
     return GluonDescriptor(array, list(shape), list(strides), list(block_shape), layout)
 
 

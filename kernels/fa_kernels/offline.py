@@ -63,10 +63,9 @@ def _descriptor_type(launch, dtype: str, block_shape) -> str:
     block = f"{POINTER_TYPES[dtype][1:]}[{','.join(map(str, block_shape))}]"
     if launch.kernel not in GLUON_KERNELS:
         return f"tensordesc<{block}>"
-    from triton.experimental.gluon import language as gl
+    from .gluon_forward import shared_layout
 
-    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, dtype))
-    return f"tensordesc<{block},{layout!r}>"
+    return f"tensordesc<{block},{shared_layout(tuple(block_shape), dtype)!r}>"
 
 
 def specialise(launch, dtypes: dict, launcher: str = "jit"):
