@@ -495,14 +495,31 @@ def test_warp_specialized_entries_keep_the_forward_key_blocks():
 GLUON = pytest.mark.skipif(not ON_GPU or CAPABILITY != (9, 0),
                            reason="the Gluon forward runs on sm_90 GPUs")
 
+# Grids of at least 0.8 x two programs an SM on every Hopper part (114 or 132 SMs), so
+# that fa_torch's plan does not split the keys (split-KV keeps the Triton forward).
 GLUON_CASES = {  # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window)
-    "d64": (2, 1000, 1000, 4, 4, 64, False, (-1, -1)),
-    "d128-causal-gqa": (2, 1037, 1037, 8, 2, 128, True, (-1, -1)),
-    "d128-odd-lengths": (1, 333, 1077, 4, 4, 128, False, (-1, -1)),
-    "d128-causal-more-queries": (1, 700, 300, 4, 1, 128, True, (-1, -1)),
-    "d256-causal": (2, 517, 517, 2, 2, 256, True, (-1, -1)),
-    "d128-window": (1, 900, 1100, 4, 2, 128, False, (200, 50)),
+    "d64": (4, 1000, 1000, 8, 8, 64, False, (-1, -1)),
+    "d128-causal-gqa": (4, 1037, 1037, 8, 2, 128, True, (-1, -1)),
+    "d128-odd-lengths": (5, 333, 1077, 16, 16, 128, False, (-1, -1)),
+    "d128-causal-more-queries": (4, 700, 300, 16, 4, 128, True, (-1, -1)),
+    "d256-causal": (4, 517, 517, 12, 12, 256, True, (-1, -1)),
+    "d128-window": (4, 900, 1100, 16, 8, 128, False, (200, 50)),
 }
+
+
+@pytest.mark.parametrize("num_sms", [114, 132])
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_gluon_cases_reach_the_gluon_forward(replace_entries, case, num_sms):
+    # On the CPU, what the GPU tests below take for granted: with the flag on, fa_torch's
+    # plan for each case (its num_sms passed) launches the Gluon kernel, not split-KV.
+    batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = GLUON_CASES[case]
+    replace_entries(("forward",), gluon=True)
+    shape, kv = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_k, head_dim)
+    problem = fa_plan.check_problem(shape, kv, kv, "bfloat16", "bfloat16", "bfloat16",
+                                    causal=causal, window_size=window)
+    launch = fa_plan.forward_plan(problem, capability=(9, 0), num_sms=num_sms).launch
+    assert launch.kernel == "attention_forward_gluon"
+    assert launch.grid[0] == -(-seqlen_q // 128)
 
 
 @GLUON
