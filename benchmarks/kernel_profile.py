@@ -3,12 +3,19 @@ fwd+bwd calls of fa_torch at one shape, so that ncu can read the hardware counte
 each kernel (pipe use, stall reasons, occupancy) at the table's config.
 
     python benchmarks/kernel_profile.py [--shape 4,4096,16,16,128] [--causal] [--calls 3]
+                                        [--forward] [--gluon]
+
+``--forward`` runs forward calls only; ``--gluon`` takes the Gluon forward wherever it
+serves (sm_90; ``configs.override``, as ``bench.py --gluon``): its kernel is
+``attention_forward_gluon``, so the profile step needs
+``PROFILE_KERNELS="attention_forward_gluon$"``.
 
 Alone it only runs the calls; the counters come from ncu around it (see gpu_session.sh).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -17,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import fa_torch  # noqa: E402
+from fa_kernels import configs  # noqa: E402
 
 
 def main():
@@ -25,6 +33,8 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--forward", action="store_true", help="forward calls only")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon forward (sm_90)")
     args = parser.parse_args()
     batch, seqlen, heads_q, heads_k, head_dim = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
@@ -33,10 +43,14 @@ def main():
                            generator=gen, requires_grad=name == "q") for name in ("q", "dout"))
     k, v = (torch.randn(batch, seqlen, heads_k, head_dim, device="cuda", dtype=dtype,
                         generator=gen, requires_grad=True) for _ in range(2))
-    for _ in range(args.calls):
-        fa_torch.attention(q, k, v, causal=args.causal).backward(dout)
+    with configs.override(("forward",), gluon=True) if args.gluon else contextlib.nullcontext():
+        for _ in range(args.calls):
+            out = fa_torch.attention(q, k, v, causal=args.causal)
+            if not args.forward:
+                out.backward(dout)
     torch.cuda.synchronize()
-    print(f"ran {args.calls} fwd+bwd calls at {args.shape} causal={args.causal}")
+    mode = "fwd" if args.forward else "fwd+bwd"
+    print(f"ran {args.calls} {mode} calls at {args.shape} causal={args.causal} gluon={args.gluon}")
 
 
 if __name__ == "__main__":
