@@ -7,7 +7,7 @@ halved when causal; forward+backward counts 3.5x the forward. Each time is the m
 of many runs after warm-up, on random inputs.
 
     python benchmarks/bench.py [--quick] [--window W]... [--peers a,b] [--memory]
-                               [--warp-specialize] [--gluon]
+                               [--warp-specialize] [--gluon [--gluon-tile BM,BN,W,S]]
                                [--shape B,S,Hq,Hk,D,causal | B,Sq,Sk,Hq,Hk,D,causal]...
                                [--out benchmarks]            # RESULTS.md, bench.png
 
@@ -18,8 +18,9 @@ time. ``--peers`` keeps only the peers whose names contain one of the given word
 jax-triton takes host descriptors) with attention_forward_ws and
 attention_backward_dkdv_ws, the one-loop kernels for Triton's Hopper warp
 specialisation, wherever they serve. ``--gluon`` adds fa_torch with the Gluon forward
-(fa_kernels.gluon_forward: sm_90) wherever it serves; fa_jax cannot
-launch it (fa_jax._launch.LAUNCHES_GLUON). ``--memory`` adds a table of peak device memory of
+(fa_kernels.gluon_forward: sm_90) wherever it serves, ``--gluon-tile`` with that tile
+at every head dim (64,64,4,2: two programs an SM, plan.gluon_programs_per_sm); fa_jax
+cannot launch it (fa_jax._launch.LAUNCHES_GLUON). ``--memory`` adds a table of peak device memory of
 forward+backward against the sequence length (it must grow linearly).
 """
 from __future__ import annotations
@@ -350,13 +351,18 @@ def warp_specialized_tables() -> contextlib.ExitStack:
 
 
 GLUON = " gluon"  # the name's ending of an impl timed with the Gluon forward
+GLUON_TILE = None  # --gluon-tile: (block_m, block_n, num_warps, num_stages) for every D
 
 
 def gluon_tables():
-    """Within: every forward entry asks for the Gluon forward (where it serves)."""
+    """Within: every forward entry asks for the Gluon forward (where it serves), with
+    the ``--gluon-tile`` tile in place of the table's Gluon entries if one was given."""
     from fa_kernels import configs
 
-    return configs.override(("forward",), gluon=True)
+    entries = {} if GLUON_TILE is None else {
+        ("forward_gluon", block_d, dtype): configs.TileConfig(*GLUON_TILE, tma=True)
+        for block_d in (64, 128, 256) for dtype in ("bfloat16", "float16")}
+    return configs.override(("forward",), entries=entries, gluon=True)
 
 
 def tables_for(name):
@@ -386,6 +392,9 @@ def main():
                              "they serve")
     parser.add_argument("--gluon", action="store_true",
                         help="also time fa_torch with the Gluon forward where it serves")
+    parser.add_argument("--gluon-tile", default=None,
+                        help="BLOCK_M,BLOCK_N,WARPS,STAGES: the Gluon forward's tile at every "
+                             "head dim (e.g. 64,64,4,2: two programs an SM at D <= 128)")
     parser.add_argument("--memory", action="store_true",
                         help="also report peak memory of fwd+bwd at S = 8k..64k")
     parser.add_argument("--dtype", default="bfloat16")
@@ -408,6 +417,9 @@ def main():
         add_warp_specialized_impls(t_impls, j_impls)
     if args.gluon:
         t_impls["fa_torch" + GLUON] = t_impls["fa_torch"]
+    if args.gluon_tile:
+        global GLUON_TILE
+        GLUON_TILE = tuple(int(x) for x in args.gluon_tile.split(","))
 
     chosen = [parse_shape(spec) for spec in args.shape] or shapes(args.quick)
     work = [(s, m) for s in chosen for m in modes]

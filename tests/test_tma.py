@@ -613,6 +613,39 @@ def test_gluon_forward_only_where_it_serves():
                                                       (1, 128, 1, 128)]
 
 
+@pytest.mark.parametrize("head_dim, tile, programs", [
+    (128, None, 1),               # the table's 128-row tiles: one program an SM
+    (64, None, 1),
+    (256, None, 1),
+    (128, (64, 64, 4, 2), 2),     # one compute warpgroup, 82 KB: two programs
+    (128, (64, 64, 4, 3), 2),     # 115 KB: two just fit the SM's 228 KB
+    (128, (64, 128, 4, 2), 1),    # 148 KB: one
+    (64, (64, 128, 4, 2), 2),
+    (256, (64, 64, 4, 2), 1),     # D / 2 accumulator registers would not fit 128
+])
+def test_gluon_registers_shared_by_the_programs_an_sm_runs(replace_entries, head_dim, tile,
+                                                            programs):
+    # The Gluon forward's register cap is the SM's registers over the warps of the programs
+    # it runs at once (at most 255 a thread): 168 for one program of 12 warps, 128 for two
+    # of 8 (a load warpgroup and one compute warpgroup each).
+    shape = (4, 4096, 16, head_dim)
+    if tile is not None:
+        replace_entries((), entries={("forward_gluon", head_dim, "bfloat16"):
+                                     configs.TileConfig(*tile, tma=True)})
+    problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16")
+    launch = fa_plan.forward_plan(problem, capability=(9, 0), gluon=True).launch
+    cfg = configs.tile_config("forward_gluon", head_dim, "bfloat16", 4096, 4096, (9, 0))
+    assert launch.kernel == "attention_forward_gluon"
+    assert (launch.constexprs["BLOCK_M"], launch.num_warps) == (cfg.block_m, cfg.num_warps)
+    assert fa_plan.gluon_programs_per_sm(problem, cfg) == programs
+    warps = cfg.num_warps + 4
+    assert launch.maxnreg == min(65536 // (warps * 32 * programs), 255) // 8 * 8
+    if programs == 2:
+        assert launch.maxnreg == 128
+        assert 2 * (configs.shared_memory("forward_gluon", cfg, head_dim, 2) + 1024) <= \
+            configs.shared_memory_per_sm((9, 0))
+
+
 def test_gluon_entries_fit_and_stay_off():
     # Each Gluon tile: 16 rows a warp (wgmma's 64 a warpgroup), within the H100's shared
     # memory; and no forward entry takes the kernel before a GPU run has measured it.

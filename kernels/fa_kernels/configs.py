@@ -190,9 +190,18 @@ def causal_table(dtype: str) -> dict:
 def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
                 causal: bool = False) -> TileConfig:
     """The GPU table's config before it is fitted to the sequence lengths: few-rows,
-    then short-sequence, then causal entries before the main table."""
+    then short-sequence, then causal entries before the main table; with what
+    ``override`` layers on them."""
+    entry = _table_entry(kernel, 0 if kernel == "preprocess" else block_d, dtype, seqlen_q,
+                         seqlen_k, causal)
+    if _OVERRIDES:
+        entry = _overridden(entry, kernel, 0 if kernel == "preprocess" else block_d, dtype, True)
+    return entry
+
+
+def _table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
+                 causal: bool) -> TileConfig:
     table, short = tables(dtype)
-    block_d = 0 if kernel == "preprocess" else block_d
     if dtype != "float32" and seqlen_bucket(seqlen_q) <= FEW_ROWS:
         entry = _GPU_16BIT_FEW_ROWS.get((kernel, block_d))
         if entry is not None:
@@ -213,6 +222,12 @@ def shared_memory_limit(capability: tuple[int, int]) -> int:
     if capability in ((8, 0), (8, 7)):  # A100, Orin
         return 166912
     return 101376 if capability[0] >= 8 else 65536  # consumer Ampere/Ada/Blackwell; older
+
+
+def shared_memory_per_sm(capability: tuple[int, int]) -> int:
+    """What the programs an SM runs at once share (bytes; each takes 1 KB of it besides its
+    own): 228 KB on Hopper (H100 and H200 alike)."""
+    return 233472 if capability == (9, 0) else shared_memory_limit(capability) + 1024
 
 
 def shared_memory(kernel: str, cfg: TileConfig, block_d: int, item: int, bias_item: int = 0,
@@ -301,7 +316,8 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     if capability is None:
         base = _INTERPRETER
     else:
-        base = table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k, causal)
+        base = _table_entry(kernel, 0 if kernel == "preprocess" else block_d, dtype, seqlen_q,
+                            seqlen_k, causal)
         if base.tma and not descriptors:
             pointer = _GPU_16BIT_POINTER if dtype != "float32" else {}
             base = pointer.get((kernel, block_d), replace(base, tma=False))

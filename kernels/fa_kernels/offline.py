@@ -274,6 +274,10 @@ def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
                 yield (f"{dtype} D={head_dim} gluon causal gqa window",
                        check(shape, gqa_kv, causal=True, window_size=(256, -1)),
                        dict(gluon=True))
+                if head_dim == 128:  # 64-row tiles, two programs an SM (plan.gluon_programs_per_sm)
+                    yield (f"{dtype} D={head_dim} gluon two programs an SM", check(shape, shape),
+                           dict(gluon=True, entries={("forward_gluon", head_dim, dtype):
+                                                     configs.TileConfig(64, 64, 4, 2, tma=True)}))
                 yield (f"{dtype} D={head_dim} dk dv apart",
                        check(shape, gqa_kv, causal=True, softcap=30.0, dropout_p=0.1),
                        dict(apart=True))
@@ -323,9 +327,11 @@ def check(capability: tuple[int, int], quick: bool, out=sys.stdout) -> int:
     limit = configs.shared_memory_limit(capability)
     failures = 0
     for name, problem, options in variants(quick, capability):
-        with fa_plan.warp_specialized_on_gpu():  # (compiled here whether or not they run)
+        # (the warp-specialised kernels compiled here whether or not they run)
+        with fa_plan.warp_specialized_on_gpu(), configs.override(entries=options.get("entries")):
             plans = (fa_plan.forward_plan(problem, capability=capability,
-                                          **{k: v for k, v in options.items() if k != "apart"}),)
+                                          **{k: v for k, v in options.items()
+                                             if k not in ("apart", "entries")}),)
             if not problem.paged:
                 plans += (fa_plan.backward_plan(
                     problem, capability=capability, bias_grad=problem.bias_shape is not None,

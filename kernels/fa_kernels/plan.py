@@ -1126,6 +1126,7 @@ def _dkdv_ws_launch(p: AttentionProblem, ws: TileConfig, common_scalars: dict, q
 
 
 REGISTERS_PER_SM = 65536
+MAX_REGISTERS = 255  # a thread's
 
 
 def _gluon_tile(p: AttentionProblem, wanted: bool, capability, launches_gluon: bool,
@@ -1157,9 +1158,24 @@ def _forward_gluon_launch(p: AttentionProblem, cfg: TileConfig, q_st, k_st, v_st
     (a warpgroup's registers: warps are given registers four at a time), and the
     registers are shared out between the partitions from what one program may hold."""
     warps = cfg.num_warps + 4
+    registers = REGISTERS_PER_SM // (warps * 32 * gluon_programs_per_sm(p, cfg))
     return _descriptor_forward_launch(
         "attention_forward_gluon", p, cfg, cfg.block_m, q_st, k_st, v_st, o_st, l_st, outputs,
-        dict(NUM_STAGES=cfg.num_stages), maxnreg=REGISTERS_PER_SM // (warps * 32) // 8 * 8)
+        dict(NUM_STAGES=cfg.num_stages), maxnreg=min(registers, MAX_REGISTERS) // 8 * 8)
+
+
+def gluon_programs_per_sm(p: AttentionProblem, cfg: TileConfig) -> int:
+    """How many programs of attention_forward_gluon with tile ``cfg`` an SM runs at once,
+    so how many share its registers: two where two fit its shared memory (with a margin
+    for the mbarriers) and the registers leave each thread at least 128, which holds a
+    64-row warpgroup's fp32 accumulator of D / 2 to D = 128; else one. Two programs of one
+    compute warpgroup each run out of step, so one's softmax meets the other's matmuls,
+    as the Triton forward's programs do; one program's two warpgroups run in step."""
+    shared = configs.shared_memory("forward_gluon", cfg, p.block_d, configs.ITEMSIZE[p.dtype])
+    warps = cfg.num_warps + 4
+    two = (2 * (shared + 2048) <= configs.shared_memory_per_sm((9, 0))
+           and REGISTERS_PER_SM // (2 * warps * 32) >= 128 and p.block_d <= 128)
+    return 2 if two else 1
 
 
 # A plan is a pure function of a validated problem, the device and the strides (all
