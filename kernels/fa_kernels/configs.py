@@ -192,11 +192,9 @@ def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     """The GPU table's config before it is fitted to the sequence lengths: few-rows,
     then short-sequence, then causal entries before the main table; with what
     ``override`` layers on them."""
-    entry = _table_entry(kernel, 0 if kernel == "preprocess" else block_d, dtype, seqlen_q,
-                         seqlen_k, causal)
-    if _OVERRIDES:
-        entry = _overridden(entry, kernel, 0 if kernel == "preprocess" else block_d, dtype, True)
-    return entry
+    block_d = 0 if kernel == "preprocess" else block_d
+    entry = _table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k, causal)
+    return _overridden(entry, kernel, block_d, dtype, True) if _OVERRIDES else entry
 
 
 def _table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,

@@ -1154,27 +1154,33 @@ def _forward_gluon_launch(p: AttentionProblem, cfg: TileConfig, q_st, k_st, v_st
                           outputs: tuple) -> Launch:
     """The launch of attention_forward_gluon with the tile ``cfg``: Q in blocks of
     ``cfg.block_m`` rows, K and V in ``cfg.block_n``, all three through host descriptors,
-    ``cfg.num_stages`` slots of K and V. The load warp comes on top of ``cfg.num_warps``
-    (a warpgroup's registers: warps are given registers four at a time), and the
-    registers are shared out between the partitions from what one program may hold."""
-    warps = cfg.num_warps + 4
-    registers = REGISTERS_PER_SM // (warps * 32 * gluon_programs_per_sm(p, cfg))
+    ``cfg.num_stages`` slots of K and V. The registers of an SM are shared out between the
+    programs it runs at once (``gluon_programs_per_sm``), and within one program between
+    its partitions."""
+    registers = REGISTERS_PER_SM // (gluon_programs_per_sm(p, cfg) * _gluon_threads(cfg))
     return _descriptor_forward_launch(
         "attention_forward_gluon", p, cfg, cfg.block_m, q_st, k_st, v_st, o_st, l_st, outputs,
         dict(NUM_STAGES=cfg.num_stages), maxnreg=min(registers, MAX_REGISTERS) // 8 * 8)
 
 
+def _gluon_threads(cfg: TileConfig) -> int:
+    """A Gluon forward program's threads: the load warp comes on top of ``cfg.num_warps``
+    with a warpgroup's registers (warps are given registers four at a time)."""
+    return (cfg.num_warps + 4) * 32
+
+
 def gluon_programs_per_sm(p: AttentionProblem, cfg: TileConfig) -> int:
     """How many programs of attention_forward_gluon with tile ``cfg`` an SM runs at once,
-    so how many share its registers: two where two fit its shared memory (with a margin
-    for the mbarriers) and the registers leave each thread at least 128, which holds a
-    64-row warpgroup's fp32 accumulator of D / 2 to D = 128; else one. Two programs of one
-    compute warpgroup each run out of step, so one's softmax meets the other's matmuls,
-    as the Triton forward's programs do; one program's two warpgroups run in step."""
+    so how many share its registers: two where two fit its shared memory and the registers
+    leave each thread at least 128, which holds a 64-row warpgroup's fp32 accumulator of
+    D / 2 to D = 128; else one. Two programs of one compute warpgroup each run out of
+    step, so one's softmax meets the other's matmuls, as the Triton forward's programs do;
+    one program's two warpgroups run in step."""
     shared = configs.shared_memory("forward_gluon", cfg, p.block_d, configs.ITEMSIZE[p.dtype])
-    warps = cfg.num_warps + 4
+    # 2 KB a program besides its tiles: the 1 KB the SM keeps for each, and the mbarriers
+    # and what the estimate leaves out (a few hundred bytes, fa_kernels.offline)
     two = (2 * (shared + 2048) <= configs.shared_memory_per_sm((9, 0))
-           and REGISTERS_PER_SM // (2 * warps * 32) >= 128 and p.block_d <= 128)
+           and REGISTERS_PER_SM // (2 * _gluon_threads(cfg)) >= 128 and p.block_d <= 128)
     return 2 if two else 1
 
 
