@@ -245,7 +245,7 @@ def attention_backward(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STRIDES_ALIGNED: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
     USE_TMA: tl.constexpr, HOLD_TMA: tl.constexpr, HOST_TMA: tl.constexpr,
     DKDV_PARTS: tl.constexpr, DQ_PASS: tl.constexpr,
 ):
@@ -260,6 +260,9 @@ def attention_backward(
     stride_dkb, stride_dkn, stride_dkh = aligned_strides(stride_dkb, stride_dkn, stride_dkh, STRIDES_ALIGNED)
     stride_dvb, stride_dvn, stride_dvh = aligned_strides(stride_dvb, stride_dvn, stride_dvh, STRIDES_ALIGNED)
     stride_dqb, stride_dqm, stride_dqh = aligned_strides(stride_dqb, stride_dqm, stride_dqh, STRIDES_ALIGNED)
+    # Whole 16-row units keep the row statistics' loads vectorised in the dK/dV pass.
+    seqlen_q, stride_lb, stride_lh = aligned_strides(seqlen_q, stride_lb, stride_lh, ROWS_ALIGNED)
+    seqlen_k = aligned(seqlen_k, ROWS_ALIGNED)
     batch = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         batch, CuSeqlensQ, CuSeqlensK, SequsedK, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN,

@@ -40,14 +40,17 @@ def kernel(fn):
 
 @triton.jit
 def aligned(stride, STRIDES_ALIGNED: tl.constexpr):
-    """Tell the compiler a stride is a multiple of 16 elements when the plan knows it.
+    """Tell the compiler a stride (or a length) is a multiple of 16 elements when the
+    plan knows it.
 
     Triton's JIT (fa_torch) marks every integer argument divisible by 16 so; jax_triton
     (fa_jax) marks only the arrays, and without the strides' divisibility tile loads are
     neither asynchronous nor vectorised (10x slower on the H200). ``tl.multiple_of`` did
     not reach the compiler's analysis the way the argument attribute does; rounding down
     to a multiple of 16 (a no-op here: the plan sets the flag only when every stride is
-    one) does, so both front ends compile the same code (benchmarks/NOTES.md).
+    one) does, so both front ends compile the same code (benchmarks/NOTES.md). The
+    lengths and the row statistics' strides are ``UNSPECIALISED`` for the same reason;
+    the backward rounds them with ``ROWS_ALIGNED``.
     """
     if STRIDES_ALIGNED:
         stride = (stride // 16) * 16

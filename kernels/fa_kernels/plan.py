@@ -1397,7 +1397,8 @@ def backward_plan(problem: AttentionProblem, *, capability: tuple[int, int] | No
     def constexprs(cfg, **extra):
         return dict(HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m,
                     BLOCK_N=cfg.block_n, **_feature_constexprs(p), **extra, IS_VARLEN=p.varlen,
-                    HAS_SEQUSED_K=p.seqused_k, DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=aligned)
+                    HAS_SEQUSED_K=p.seqused_k, DOT_PRECISION=p.dot_precision, STRIDES_ALIGNED=aligned,
+                    ROWS_ALIGNED=_aligned((p.seqlen_q, p.seqlen_k), l_st))
 
     bias_grad = bool(bias_grad and p.bias_shape is not None)
     kv = tile_config("dkdv", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
