@@ -296,7 +296,7 @@ def test_few_rows_entries(monkeypatch):
 
 def test_held_blocks_through_descriptors_as_the_entry_says():
     # USE_TMA: the streamed blocks; HOLD_TMA: the held ones, only with USE_TMA and as the
-    # entry's hold_tma says (the H200's D = 64 dK/dV keeps K/V in registers). Host
+    # entry's hold_tma says (the D = 128 dQ pass keeps Q/dO in registers). Host
     # descriptors hold them through a 2-D view of the rows, streamed ones are 4-D.
     from fa_kernels import configs
 
@@ -322,7 +322,7 @@ def test_held_blocks_through_descriptors_as_the_entry_says():
                         assert blocks.shape == shape and len(blocks.block_shape) == 4
         ampere = plan.backward_plan(p, capability=(8, 0))
         assert not ampere.dkdv.constexprs["HOLD_TMA"] and not ampere.dq.constexprs["HOLD_TMA"]
-    assert not configs.table_entry("dkdv", 64, "bfloat16", 4096, 4096).hold_tma
+    assert not configs.table_entry("dq", 128, "bfloat16", 4096, 4096).hold_tma
 
 
 @pytest.mark.parametrize("layout, expected", [

@@ -32,8 +32,8 @@ class TileConfig:
     # With ``tma``, the blocks a backward program holds through its whole loop (K/V in
     # dK/dV, Q/dO in dQ) come through descriptors too and stay in shared memory, where the
     # matmuls read them, with no register copy (the forward keeps its Q in registers).
-    # That pays where registers run out (dK/dV from D = 128, dQ at 256); where the copy
-    # is cheap, holding in registers measured faster.
+    # That measured faster at every head dim but the dQ pass's at D = 128, where the
+    # register copy is cheap.
     hold_tma: bool = True
     # dK/dV only: two programs a key block, one summing dV and one dK (each recomputes P,
     # so five matmuls where one program does four). Pays where one program cannot hold
@@ -57,8 +57,9 @@ class TileConfig:
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by
 # benchmarks/tune.py (B*S = 16384 at S = 4096, causal and not; the times that decided each
 # entry are in benchmarks/NOTES.md). Head dims under 64 take the 64 entries. From D = 64
-# the streamed blocks come through tensor descriptors; the held ones too where registers
-# run out (dK/dV from D = 128, dQ at 256), and dK/dV at D = 256 runs its two sums apart.
+# the streamed blocks come through tensor descriptors; the held ones too (but in dQ at
+# D = 128), and dK/dV at D = 256 runs its two sums apart. The D = 64 dK/dV entry was
+# chosen on an H100.
 _GPU_16BIT = {
     ("forward", 16): TileConfig(128, 64, 8, 3),
     ("forward", 32): TileConfig(128, 64, 8, 3),
@@ -83,7 +84,7 @@ _GPU_16BIT = {
     ("dkdv_ws", 256): TileConfig(64, 64, 4, 2, tma=True),
     ("dkdv", 16): TileConfig(64, 64, 4, 2),
     ("dkdv", 32): TileConfig(64, 64, 4, 2),
-    ("dkdv", 64): TileConfig(64, 64, 4, 3, tma=True, hold_tma=False),
+    ("dkdv", 64): TileConfig(64, 64, 4, 2, tma=True),
     ("dkdv", 128): TileConfig(64, 64, 4, 2, tma=True),
     ("dkdv", 256): TileConfig(32, 128, 8, 2, tma=True, apart=True),
     ("dq", 16): TileConfig(128, 64, 8, 3),
