@@ -7,7 +7,8 @@ halved when causal; forward+backward counts 3.5x the forward. Each time is the m
 of many runs after warm-up, on random inputs.
 
     python benchmarks/bench.py [--quick] [--window W]... [--peers a,b] [--memory]
-                               [--warp-specialize] [--gluon [--gluon-tile BM,BN,W,S]]
+                               [--warp-specialize]
+                               [--gluon [--gluon-tile BM,BN,W,S] [--gluon-ping-pong]]
                                [--shape B,S,Hq,Hk,D,causal | B,Sq,Sk,Hq,Hk,D,causal]...
                                [--out benchmarks]            # RESULTS.md, bench.png
 
@@ -19,7 +20,8 @@ jax-triton takes host descriptors) with attention_forward_ws and
 attention_backward_dkdv_ws, the one-loop kernels for Triton's Hopper warp
 specialisation, wherever they serve. ``--gluon`` adds fa_torch with the Gluon forward
 (fa_kernels.gluon_forward: sm_90) wherever it serves, ``--gluon-tile`` with that tile
-at every head dim (64,64,4,2: two programs an SM, plan.gluon_programs_per_sm); fa_jax
+at every head dim (64,64,4,2: two programs an SM, plan.gluon_programs_per_sm),
+``--gluon-ping-pong`` with its two warpgroups taking the tensor cores in turns; fa_jax
 cannot launch it (fa_jax._launch.LAUNCHES_GLUON). ``--memory`` adds a table of peak device memory of
 forward+backward against the sequence length (it must grow linearly).
 """
@@ -352,17 +354,23 @@ def warp_specialized_tables() -> contextlib.ExitStack:
 
 GLUON = " gluon"  # the name's ending of an impl timed with the Gluon forward
 GLUON_TILE = None  # --gluon-tile: (block_m, block_n, num_warps, num_stages) for every D
+GLUON_PING_PONG = False  # --gluon-ping-pong
 
 
-def gluon_tables():
+def gluon_tables() -> contextlib.ExitStack:
     """Within: every forward entry asks for the Gluon forward (where it serves), with
-    the ``--gluon-tile`` tile in place of the table's Gluon entries if one was given."""
+    the ``--gluon-tile`` tile in place of the table's Gluon entries if one was given,
+    and its warpgroups in turns with ``--gluon-ping-pong``."""
     from fa_kernels import configs
 
     entries = {} if GLUON_TILE is None else {
         ("forward_gluon", block_d, dtype): configs.TileConfig(*GLUON_TILE, tma=True)
         for block_d in (64, 128, 256) for dtype in ("bfloat16", "float16")}
-    return configs.override(("forward",), entries=entries, gluon=True)
+    stack = contextlib.ExitStack()
+    stack.enter_context(configs.override(("forward",), entries=entries, gluon=True))
+    if GLUON_PING_PONG:
+        stack.enter_context(configs.override(("forward_gluon",), ping_pong=True))
+    return stack
 
 
 def tables_for(name):
@@ -395,6 +403,9 @@ def main():
     parser.add_argument("--gluon-tile", default=None,
                         help="BLOCK_M,BLOCK_N,WARPS,STAGES: the Gluon forward's tile at every "
                              "head dim (e.g. 64,64,4,2: two programs an SM at D <= 128)")
+    parser.add_argument("--gluon-ping-pong", action="store_true",
+                        help="the Gluon forward's two compute warpgroups taking the tensor "
+                             "cores in turns (FA3's ping-pong; 128-row tiles)")
     parser.add_argument("--memory", action="store_true",
                         help="also report peak memory of fwd+bwd at S = 8k..64k")
     parser.add_argument("--dtype", default="bfloat16")
@@ -420,6 +431,9 @@ def main():
     if args.gluon_tile:
         global GLUON_TILE
         GLUON_TILE = tuple(int(x) for x in args.gluon_tile.split(","))
+    if args.gluon_ping_pong:
+        global GLUON_PING_PONG
+        GLUON_PING_PONG = True
 
     chosen = [parse_shape(spec) for spec in args.shape] or shapes(args.quick)
     work = [(s, m) for s in chosen for m in modes]

@@ -3,12 +3,13 @@ fwd+bwd calls of fa_torch at one shape, so that ncu can read the hardware counte
 each kernel (pipe use, stall reasons, occupancy) at the table's config.
 
     python benchmarks/kernel_profile.py [--shape 4,4096,16,16,128] [--causal] [--calls 3]
-                                        [--forward] [--gluon]
+                                        [--forward] [--gluon [--ping-pong]]
 
 ``--forward`` runs forward calls only; ``--gluon`` takes the Gluon forward wherever it
 serves (sm_90; ``configs.override``, as ``bench.py --gluon``): its kernel is
 ``attention_forward_gluon``, so the profile step needs
-``PROFILE_KERNELS="attention_forward_gluon$"``.
+``PROFILE_KERNELS="attention_forward_gluon$"``; ``--ping-pong`` with its two compute
+warpgroups taking the tensor cores in turns.
 
 Alone it only runs the calls; the counters come from ncu around it (see gpu_session.sh).
 """
@@ -35,6 +36,8 @@ def main():
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--forward", action="store_true", help="forward calls only")
     parser.add_argument("--gluon", action="store_true", help="the Gluon forward (sm_90)")
+    parser.add_argument("--ping-pong", action="store_true",
+                        help="with --gluon: its warpgroups in turns")
     args = parser.parse_args()
     batch, seqlen, heads_q, heads_k, head_dim = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
@@ -43,14 +46,19 @@ def main():
                            generator=gen, requires_grad=name == "q") for name in ("q", "dout"))
     k, v = (torch.randn(batch, seqlen, heads_k, head_dim, device="cuda", dtype=dtype,
                         generator=gen, requires_grad=True) for _ in range(2))
-    with configs.override(("forward",), gluon=True) if args.gluon else contextlib.nullcontext():
+    with contextlib.ExitStack() as tables:
+        if args.gluon:
+            tables.enter_context(configs.override(("forward",), gluon=True))
+        if args.ping_pong:
+            tables.enter_context(configs.override(("forward_gluon",), ping_pong=True))
         for _ in range(args.calls):
             out = fa_torch.attention(q, k, v, causal=args.causal)
             if not args.forward:
                 out.backward(dout)
     torch.cuda.synchronize()
     mode = "fwd" if args.forward else "fwd+bwd"
-    print(f"ran {args.calls} {mode} calls at {args.shape} causal={args.causal} gluon={args.gluon}")
+    print(f"ran {args.calls} {mode} calls at {args.shape} causal={args.causal} gluon={args.gluon} "
+          f"ping_pong={args.ping_pong}")
 
 
 if __name__ == "__main__":

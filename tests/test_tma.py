@@ -522,14 +522,20 @@ def test_gluon_cases_reach_the_gluon_forward(replace_entries, case, num_sms):
     assert launch.grid[0] == -(-seqlen_q // 128)
 
 
+# The two compute warpgroups in step, or taking the tensor cores in turns (ping_pong).
+GLUON_SCHEDULES = {"in-step": False, "ping-pong": True}
+
+
 @GLUON
+@pytest.mark.parametrize("schedule", GLUON_SCHEDULES)
 @pytest.mark.parametrize("case", GLUON_CASES)
-def test_gluon_forward_against_reference(replace_entries, case):
+def test_gluon_forward_against_reference(replace_entries, case, schedule):
     # Outputs, LSE and (through the Triton backward, from the Gluon forward's O and LSE)
     # gradients against float64, through fa_torch. fa_jax keeps the Triton forward
     # (jax-triton launches no warp-specialised Gluon kernel: fa_jax._launch.LAUNCHES_GLUON).
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = GLUON_CASES[case]
     replace_entries(("forward",), gluon=True)
+    replace_entries(("forward_gluon",), ping_pong=GLUON_SCHEDULES[schedule])
     from fa_torch import _launch as torch_launch
 
     shape, kv = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_k, head_dim)
@@ -543,13 +549,15 @@ def test_gluon_forward_against_reference(replace_entries, case):
 
 
 @GLUON
+@pytest.mark.parametrize("schedule", GLUON_SCHEDULES)
 @pytest.mark.parametrize("case", GLUON_CASES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gluon_forward_against_the_plain_kernel(case, dtype):
+def test_gluon_forward_against_the_plain_kernel(replace_entries, case, dtype, schedule):
     # The same online softmax over the same keys; the blocks and the matmuls' tiles
     # differ, so a sum's last bits may: within one unit of the dtype, the LSE within a
-    # few of fp32's.
+    # few of fp32's. In turns or in step, the warpgroups compute the same rows alike.
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window = GLUON_CASES[case]
+    replace_entries(("forward_gluon",), ping_pong=GLUON_SCHEDULES[schedule])
     shape, kv = (batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_k, head_dim)
     problem = fa_plan.check_problem(shape, kv, kv, dtype, dtype, dtype, causal=causal,
                                     window_size=window)
@@ -611,6 +619,32 @@ def test_gluon_forward_only_where_it_serves():
     assert launch.constexprs["GROUP_SIZE"] == 4 and launch.constexprs["LIMIT_RIGHT"]
     assert [b.block_shape for b in launch.blocks] == [(1, 128, 1, 128), (1, 128, 1, 128),
                                                       (1, 128, 1, 128)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gluon_ping_pong_launch(replace_entries, head_dim):
+    # In turns: the kernel's own warps are the first compute warpgroup (4), the second is a
+    # partition of its own; the program keeps its 128 rows and 12 warps, and the registers
+    # the partitions ask fit the program's (Triton gives the first warpgroup what is left).
+    shape = (4, 4096, 16, head_dim)
+    problem = fa_plan.check_problem(shape, shape, shape, "bfloat16", "bfloat16", "bfloat16",
+                                    causal=True)
+    in_step = fa_plan.forward_plan(problem, capability=(9, 0), gluon=True).launch
+    replace_entries(("forward_gluon",), ping_pong=True)
+    launch = fa_plan.forward_plan(problem, capability=(9, 0), gluon=True).launch
+    assert launch.kernel == in_step.kernel == "attention_forward_gluon"
+    assert (launch.num_warps, in_step.num_warps) == (4, 8)
+    assert launch.constexprs["PING_PONG"] and not in_step.constexprs["PING_PONG"]
+    assert launch.constexprs["BLOCK_M"] == in_step.constexprs["BLOCK_M"] == 128
+    assert launch.grid == in_step.grid and launch.maxnreg == in_step.maxnreg == 168
+    compute, load = launch.constexprs["COMPUTE_REGISTERS"], launch.constexprs["LOAD_REGISTERS"]
+    assert (compute, load) == (240, 24) and compute % 8 == 0
+    assert 2 * compute + load <= 3 * launch.maxnreg  # three warpgroups' share of the SM
+    # 64-row tiles have one compute warpgroup: nothing to take turns with
+    replace_entries((), entries={("forward_gluon", head_dim, "bfloat16"):
+                                 configs.TileConfig(64, 64, 4, 2, tma=True, ping_pong=True)})
+    assert fa_plan.forward_plan(problem, capability=(9, 0), gluon=True).launch.kernel == \
+        "attention_forward"
 
 
 @pytest.mark.parametrize("head_dim, tile, programs", [

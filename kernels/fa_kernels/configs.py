@@ -52,6 +52,9 @@ class TileConfig:
     # 64 rows each, NUM_STAGES slots of K and V blocks of block_n rows. Off in the table
     # until a GPU run has shown it right and faster (benchmarks/NOTES.md 38).
     gluon: bool = False
+    # forward_gluon only: its two compute warpgroups as partitions of their own that take
+    # the tensor cores in turns (FA3's ping-pong), num_warps 8.
+    ping_pong: bool = False
 
 
 # (kernel, block_d) -> config for 16-bit inputs on sm_80 and newer, chosen on the H200 by

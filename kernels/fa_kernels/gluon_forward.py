@@ -12,7 +12,11 @@ for each ``p·v`` before the next ``q·k``. Here the tensor cores are driven by 
   waits for the ``q·k`` only, and runs block j's online-softmax step while the ``p·v``
   runs on the tensor cores; then it waits for the ``p·v``. What ptxas makes of this is
   checked offline (``fa_kernels.offline``: no serialised wgmma, exp2s beside the
-  ``p·v``), and the loop's comments say what each of those needs.
+  ``p·v``), and the loop's comments say what each of those needs;
+- with ``PING_PONG`` the two warpgroups are partitions of their own that take the
+  tensor cores in turns (FA3's ping-pong): each issues a step's matmuls only after the
+  other has issued its, so one's softmax runs while the other's matmuls do, where two
+  warpgroups in step would both leave the tensor cores idle for their softmax.
 
 The arithmetic is attention_forward's plain path (FOLD_SCALE: base 2, the scale inside
 exp2's argument; windows, the causal diagonal among them, masked by helpers.visible; a
@@ -131,15 +135,37 @@ def _softmax_step(s, m_i, l_i, start_n, row_lo, seqlen_q, seqlen_k, qk_scale, wi
 
 
 @gluon.jit
+def _take_turn(turn, section, WARPGROUP: gl.constexpr, PING_PONG: gl.constexpr):
+    """With PING_PONG, wait until the other warpgroup has issued its matmuls of the
+    section before (warpgroup 0 opens: a fresh mbarrier counts as having completed the
+    phase before 0)."""
+    if PING_PONG:
+        mbarrier.wait(turn.index(WARPGROUP), (section & 1) ^ (1 - WARPGROUP))
+
+
+@gluon.jit
+def _pass_turn(turn, WARPGROUP: gl.constexpr, PING_PONG: gl.constexpr):
+    """With PING_PONG, let the other warpgroup issue its matmuls."""
+    if PING_PONG:
+        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
+
+
+@gluon.jit
 def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                       v_empty, qk_scale, window_left, window_right, seqlen_q, seqlen_k,
+                       v_empty, turn, qk_scale, window_left, window_right, seqlen_q, seqlen_k,
                        stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                       batch, head, row_lo, first, count, full_lo, full_hi,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       batch, head, tile_lo, first, count, full_lo, full_hi,
+                       HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, LIMIT_LEFT: gl.constexpr,
-                       LIMIT_RIGHT: gl.constexpr):
+                       LIMIT_RIGHT: gl.constexpr, PING_PONG: gl.constexpr,
+                       WARPGROUP: gl.constexpr):
+    """The rows of the program's query tile that this partition computes: all of them,
+    or with PING_PONG warpgroup ``WARPGROUP``'s half. Each issue of matmuls is a section
+    (block 0's q·k, then one a step, then the last p·v) that PING_PONG takes in turns."""
     # Each warp owns 16 rows; a warpgroup's four warps issue one wgmma of 64 rows.
     num_warps: gl.constexpr = gl.num_warps()
+    BLOCK_M: gl.constexpr = TILE_M // 2 if PING_PONG else TILE_M
+    row_lo = tile_lo + WARPGROUP * BLOCK_M
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
                                                        warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -151,14 +177,19 @@ def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_emp
     dtype: gl.constexpr = q_smem.dtype
 
     mbarrier.wait(q_ready, 0)
-    q2d = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    q2d = q_smem.reshape([TILE_M, HEAD_DIM])
+    if PING_PONG:  # (64-row halves: whole swizzle periods of the layout)
+        q2d = q2d.slice(WARPGROUP * BLOCK_M, BLOCK_M)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     # Block 0's scores and probabilities (nothing to overlap with yet).
-    s = warpgroup_mma_wait(0, deps=(_issue_scores(q2d, k_smem, k_ready, 0, s_layout, BLOCK_M,
-                                                  BLOCK_N, HEAD_DIM, NUM_STAGES), ))
+    _take_turn(turn, 0, WARPGROUP, PING_PONG)
+    s_token = _issue_scores(q2d, k_smem, k_ready, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                            NUM_STAGES)
+    _pass_turn(turn, WARPGROUP, PING_PONG)
+    s = warpgroup_mma_wait(0, deps=(s_token, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     m_i, l_i, p, alpha = _softmax_step(
         s, m_i, l_i, first * BLOCK_N, row_lo, seqlen_q, seqlen_k, qk_scale, window_left,
@@ -172,10 +203,12 @@ def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_emp
     # block of its own after the exp2s, or it lands before them and nothing overlaps.
     for i in range(1, count):
         p_op = gl.convert_layout(p.to(dtype), p_layout)
+        _take_turn(turn, i, WARPGROUP, PING_PONG)
         s_token = _issue_scores(q2d, k_smem, k_ready, i, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
                                 NUM_STAGES)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         acc = _issue_values(p_op, v_smem, v_ready, acc, i - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+        _pass_turn(turn, WARPGROUP, PING_PONG)
         s = warpgroup_mma_wait(1, deps=(s_token, ))  # block i's q·k (the older of the two)
         mbarrier.arrive(k_empty.index(i % NUM_STAGES), count=1)
         start_n = (first + i) * BLOCK_N
@@ -192,7 +225,9 @@ def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_emp
         mbarrier.arrive(v_empty.index((i - 1) % NUM_STAGES), count=1)
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     p_op = gl.convert_layout(p.to(dtype), p_layout)
+    _take_turn(turn, count, WARPGROUP, PING_PONG)
     acc = _issue_values(p_op, v_smem, v_ready, acc, count - 1, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    _pass_turn(turn, WARPGROUP, PING_PONG)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
 
     # O = acc / l, LSE = (m + log2 l) ln 2 (helpers.final_lse); a row that saw no key
@@ -221,14 +256,17 @@ def attention_forward_gluon(
     Out, LSE, LSELo,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     GROUP_SIZE: gl.constexpr, LIMIT_LEFT: gl.constexpr, LIMIT_RIGHT: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PING_PONG: gl.constexpr, COMPUTE_REGISTERS: gl.constexpr,
+    LOAD_REGISTERS: gl.constexpr,
 ):
     """attention_forward's plain path (scores q·k only: no softcap, bias, ALiBi, dropout,
     varlen, paging or split; any window) for 16-bit Q, K, V read through host descriptors
     (``*Blocks``: Q's block is the program's BLOCK_M rows, K's and V's BLOCK_N). One
     program per (query block, query head, batch entry). ``LSELo`` (the LSE's low part,
     written only with a bias) is not written. BLOCK_M is 16 rows a warp of ``num_warps``
-    (the compute partition's; the load warp comes on top)."""
+    (the compute partition's; the load warp comes on top); with ``PING_PONG``, 16 rows a
+    warp of two warpgroups of ``num_warps`` = 4, the second a partition of
+    ``COMPUTE_REGISTERS`` registers a thread (the load warp's: ``LOAD_REGISTERS``)."""
     row_lo = gl.program_id(0) * BLOCK_M
     head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -247,20 +285,45 @@ def attention_forward_gluon(
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    consumers: gl.constexpr = 2 if PING_PONG else 1  # (each frees every slot)
     mbarrier.init(q_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=consumers)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=consumers)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
 
-    gl.warp_specialize([
-        (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                              v_ready, v_empty, qk_scale, window_left, window_right, seqlen_q,
-                              seqlen_k, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                              batch, head, row_lo, first, count, full_lo, full_hi, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, NUM_STAGES, LIMIT_LEFT, LIMIT_RIGHT)),
-        (_load_partition, (QBlocks, KBlocks, VBlocks, q_smem, k_smem, v_smem, q_ready, k_ready,
-                           k_empty, v_ready, v_empty, batch, head, head_k, row_lo, first,
-                           count, BLOCK_N, NUM_STAGES)),
-    ], [1], [24])
+    # (Gluon takes no function inside a local tuple: each branch spells its partitions.)
+    if PING_PONG:
+        gl.warp_specialize([
+            (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, turn, qk_scale, window_left, window_right,
+                                  seqlen_q, seqlen_k, stride_ob, stride_om, stride_oh,
+                                  stride_lb, stride_lh, batch, head, row_lo, first, count,
+                                  full_lo, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 0)),
+            (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, turn, qk_scale, window_left, window_right,
+                                  seqlen_q, seqlen_k, stride_ob, stride_om, stride_oh,
+                                  stride_lb, stride_lh, batch, head, row_lo, first, count,
+                                  full_lo, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 1)),
+            (_load_partition, (QBlocks, KBlocks, VBlocks, q_smem, k_smem, v_smem, q_ready,
+                               k_ready, k_empty, v_ready, v_empty, batch, head, head_k, row_lo,
+                               first, count, BLOCK_N, NUM_STAGES)),
+        ], [4, 1], [COMPUTE_REGISTERS, LOAD_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, turn, qk_scale, window_left, window_right,
+                                  seqlen_q, seqlen_k, stride_ob, stride_om, stride_oh,
+                                  stride_lb, stride_lh, batch, head, row_lo, first, count,
+                                  full_lo, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 0)),
+            (_load_partition, (QBlocks, KBlocks, VBlocks, q_smem, k_smem, v_smem, q_ready,
+                               k_ready, k_empty, v_ready, v_empty, batch, head, head_k, row_lo,
+                               first, count, BLOCK_N, NUM_STAGES)),
+        ], [1], [LOAD_REGISTERS])

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from . import configs, runtime
 from . import plan as fa_plan
@@ -274,6 +275,12 @@ def variants(quick: bool, capability: tuple[int, int] = (9, 0)):
                 yield (f"{dtype} D={head_dim} gluon causal gqa window",
                        check(shape, gqa_kv, causal=True, window_size=(256, -1)),
                        dict(gluon=True))
+                if head_dim in (64, 128, 256):  # its warpgroups in turns
+                    yield (f"{dtype} D={head_dim} gluon ping-pong causal gqa",
+                           check(shape, gqa_kv, causal=True),
+                           dict(gluon=True, entries={("forward_gluon", head_dim, dtype): replace(
+                               configs.table_entry("forward_gluon", head_dim, dtype, 4096, 4096),
+                               ping_pong=True)}))
                 if head_dim == 128:  # 64-row tiles, two programs an SM (plan.gluon_programs_per_sm)
                     yield (f"{dtype} D={head_dim} gluon two programs an SM", check(shape, shape),
                            dict(gluon=True, entries={("forward_gluon", head_dim, dtype):

@@ -1147,7 +1147,9 @@ def _gluon_tile(p: AttentionProblem, wanted: bool, capability, launches_gluon: b
     cfg = tile_config("forward_gluon", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
                       causal=p.causal)
     fits = (cfg.block_m, cfg.block_n) == (entry.block_m, entry.block_n)
-    return cfg if fits and cfg.block_m == 16 * cfg.num_warps else None
+    warpgroups = 2 if cfg.ping_pong else cfg.num_warps // 4
+    return (cfg if fits and cfg.block_m == 16 * cfg.num_warps and cfg.num_warps == 4 * warpgroups
+            else None)
 
 
 def _forward_gluon_launch(p: AttentionProblem, cfg: TileConfig, q_st, k_st, v_st, o_st, l_st,
@@ -1156,11 +1158,23 @@ def _forward_gluon_launch(p: AttentionProblem, cfg: TileConfig, q_st, k_st, v_st
     ``cfg.block_m`` rows, K and V in ``cfg.block_n``, all three through host descriptors,
     ``cfg.num_stages`` slots of K and V. The registers of an SM are shared out between the
     programs it runs at once (``gluon_programs_per_sm``), and within one program between
-    its partitions."""
+    its partitions. With ``cfg.ping_pong`` the kernel's own warps are the first compute
+    warpgroup's, and the second's registers are a constexpr."""
     registers = REGISTERS_PER_SM // (gluon_programs_per_sm(p, cfg) * _gluon_threads(cfg))
+    maxnreg = min(registers, MAX_REGISTERS) // 8 * 8
+    # What the load warp's warpgroup leaves of the program's registers, shared evenly by
+    # the compute warpgroups (setmaxnreg takes multiples of 8, at most 256).
+    compute = min((maxnreg * _gluon_threads(cfg) - LOAD_WARP_REGISTERS * 128)
+                  // (cfg.num_warps * 32) // 8 * 8, 256)
+    launched = replace(cfg, num_warps=4) if cfg.ping_pong else cfg
     return _descriptor_forward_launch(
-        "attention_forward_gluon", p, cfg, cfg.block_m, q_st, k_st, v_st, o_st, l_st, outputs,
-        dict(NUM_STAGES=cfg.num_stages), maxnreg=min(registers, MAX_REGISTERS) // 8 * 8)
+        "attention_forward_gluon", p, launched, cfg.block_m, q_st, k_st, v_st, o_st, l_st,
+        outputs, dict(NUM_STAGES=cfg.num_stages, PING_PONG=cfg.ping_pong,
+                      COMPUTE_REGISTERS=compute, LOAD_REGISTERS=LOAD_WARP_REGISTERS),
+        maxnreg=maxnreg)
+
+
+LOAD_WARP_REGISTERS = 24  # the Gluon forward's load warp: TMA copies and mbarriers only
 
 
 def _gluon_threads(cfg: TileConfig) -> int:
