@@ -296,7 +296,8 @@ def attention_forward_gluon(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
-    # (Gluon takes no function inside a local tuple: each branch spells its partitions.)
+    # Each branch spells its partitions: Gluon takes no function inside a local tuple, and
+    # a tuple of the arguments loses their constexprs (Triton 3.6).
     if PING_PONG:
         gl.warp_specialize([
             (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
