@@ -68,10 +68,10 @@ def _key_block_range(row_lo, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                    v_ready, v_empty, batch, head, head_k, row_lo, first, count,
-                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _load_partition(values, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The load warp: Q once, then K and V block by block into the ring of slots."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+     v_empty, batch, head, head_k, row_lo, first, count) = values
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
     _tma_load(q_desc, [batch, row_lo, head, 0], q_ready, q_smem)
     for i in range(count):
@@ -151,17 +151,18 @@ def _pass_turn(turn, WARPGROUP: gl.constexpr, PING_PONG: gl.constexpr):
 
 
 @gluon.jit
-def _compute_partition(Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                       v_empty, turn, qk_scale, window_left, window_right, seqlen_q, seqlen_k,
-                       stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                       batch, head, tile_lo, first, count, full_lo, full_hi,
-                       HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, LIMIT_LEFT: gl.constexpr,
+def _compute_partition(values, HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LIMIT_LEFT: gl.constexpr,
                        LIMIT_RIGHT: gl.constexpr, PING_PONG: gl.constexpr,
                        WARPGROUP: gl.constexpr):
     """The rows of the program's query tile that this partition computes: all of them,
     or with PING_PONG warpgroup ``WARPGROUP``'s half. Each issue of matmuls is a section
-    (block 0's q·k, then one a step, then the last p·v) that PING_PONG takes in turns."""
+    (block 0's q·k, then one a step, then the last p·v) that PING_PONG takes in turns.
+    ``values``: the kernel's run-time values every compute partition takes, in one tuple
+    (the constexprs stay apart: inside a tuple they would not be constant)."""
+    (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+     qk_scale, window_left, window_right, seqlen_q, seqlen_k, stride_ob, stride_om, stride_oh,
+     stride_lb, stride_lh, batch, head, tile_lo, first, count, full_lo, full_hi) = values
     # Each warp owns 16 rows; a warpgroup's four warps issue one wgmma of 64 rows.
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = TILE_M // 2 if PING_PONG else TILE_M
@@ -296,35 +297,21 @@ def attention_forward_gluon(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
-    # Each branch spells its partitions: Gluon takes no function inside a local tuple, and
-    # a tuple of the arguments loses their constexprs (Triton 3.6).
-    if PING_PONG:
-        gl.warp_specialize([
-            (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, turn, qk_scale, window_left, window_right,
-                                  seqlen_q, seqlen_k, stride_ob, stride_om, stride_oh,
-                                  stride_lb, stride_lh, batch, head, row_lo, first, count,
-                                  full_lo, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 0)),
-            (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, turn, qk_scale, window_left, window_right,
-                                  seqlen_q, seqlen_k, stride_ob, stride_om, stride_oh,
-                                  stride_lb, stride_lh, batch, head, row_lo, first, count,
-                                  full_lo, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 1)),
-            (_load_partition, (QBlocks, KBlocks, VBlocks, q_smem, k_smem, v_smem, q_ready,
-                               k_ready, k_empty, v_ready, v_empty, batch, head, head_k, row_lo,
-                               first, count, BLOCK_N, NUM_STAGES)),
-        ], [4, 1], [COMPUTE_REGISTERS, LOAD_REGISTERS])
+    values = (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+              turn, qk_scale, window_left, window_right, seqlen_q, seqlen_k, stride_ob,
+              stride_om, stride_oh, stride_lb, stride_lh, batch, head, row_lo, first, count,
+              full_lo, full_hi)
+    load = (QBlocks, KBlocks, VBlocks, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+            v_ready, v_empty, batch, head, head_k, row_lo, first, count)
+    if PING_PONG:  # (the kernel's own warps: warpgroup 0)
+        gl.warp_specialize([(_compute_partition, (values, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 0)),
+                            (_compute_partition, (values, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 1)),
+                            (_load_partition, (load, BLOCK_N, NUM_STAGES))],
+                           [4, 1], [COMPUTE_REGISTERS, LOAD_REGISTERS])
     else:
-        gl.warp_specialize([
-            (_compute_partition, (Out, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, turn, qk_scale, window_left, window_right,
-                                  seqlen_q, seqlen_k, stride_ob, stride_om, stride_oh,
-                                  stride_lb, stride_lh, batch, head, row_lo, first, count,
-                                  full_lo, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 0)),
-            (_load_partition, (QBlocks, KBlocks, VBlocks, q_smem, k_smem, v_smem, q_ready,
-                               k_ready, k_empty, v_ready, v_empty, batch, head, head_k, row_lo,
-                               first, count, BLOCK_N, NUM_STAGES)),
-        ], [1], [LOAD_REGISTERS])
+        gl.warp_specialize([(_compute_partition, (values, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                                  LIMIT_LEFT, LIMIT_RIGHT, PING_PONG, 0)),
+                            (_load_partition, (load, BLOCK_N, NUM_STAGES))],
+                           [1], [LOAD_REGISTERS])
