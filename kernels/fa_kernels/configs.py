@@ -196,9 +196,14 @@ def table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     """The GPU table's config before it is fitted to the sequence lengths: few-rows,
     then short-sequence, then causal entries before the main table; with what
     ``override`` layers on them."""
-    block_d = 0 if kernel == "preprocess" else block_d
+    block_d = _table_block_d(kernel, block_d)
     entry = _table_entry(kernel, block_d, dtype, seqlen_q, seqlen_k, causal)
     return _overridden(entry, kernel, block_d, dtype, True) if _OVERRIDES else entry
+
+
+def _table_block_d(kernel: str, block_d: int) -> int:
+    """The head dim a kernel's entries are keyed by: the preprocess has one for all (0)."""
+    return 0 if kernel == "preprocess" else block_d
 
 
 def _table_entry(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: int,
@@ -315,17 +320,16 @@ def tile_config(kernel: str, block_d: int, dtype: str, seqlen_q: int, seqlen_k: 
     an element) and its gradient take room the table's entries did not count, and a GPU
     smaller than the H200 has less. Down to two stages first, then the tile's longer
     side halved, then one stage."""
+    table_d = _table_block_d(kernel, block_d)
     if capability is None:
         base = _INTERPRETER
     else:
-        base = _table_entry(kernel, 0 if kernel == "preprocess" else block_d, dtype, seqlen_q,
-                            seqlen_k, causal)
+        base = _table_entry(kernel, table_d, dtype, seqlen_q, seqlen_k, causal)
         if base.tma and not descriptors:
             pointer = _GPU_16BIT_POINTER if dtype != "float32" else {}
             base = pointer.get((kernel, block_d), replace(base, tma=False))
     if _OVERRIDES:
-        base = _overridden(base, kernel, 0 if kernel == "preprocess" else block_d, dtype,
-                           capability is not None)
+        base = _overridden(base, kernel, table_d, dtype, capability is not None)
     block_m = min(base.block_m, seqlen_bucket(seqlen_q))
     block_n = min(base.block_n, seqlen_bucket(seqlen_k)) if base.block_n else 0
     num_warps = base.num_warps

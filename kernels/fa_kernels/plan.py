@@ -1127,6 +1127,7 @@ def _dkdv_ws_launch(p: AttentionProblem, ws: TileConfig, common_scalars: dict, q
 
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS = 255  # a thread's
+LOAD_WARP_REGISTERS = 24  # the Gluon forward's load warp: TMA copies and mbarriers only
 
 
 def _gluon_tile(p: AttentionProblem, wanted: bool, capability, launches_gluon: bool,
@@ -1147,9 +1148,8 @@ def _gluon_tile(p: AttentionProblem, wanted: bool, capability, launches_gluon: b
     cfg = tile_config("forward_gluon", p.block_d, p.dtype, p.seqlen_q, p.seqlen_k, capability,
                       causal=p.causal)
     fits = (cfg.block_m, cfg.block_n) == (entry.block_m, entry.block_n)
-    warpgroups = 2 if cfg.ping_pong else cfg.num_warps // 4
-    return (cfg if fits and cfg.block_m == 16 * cfg.num_warps and cfg.num_warps == 4 * warpgroups
-            else None)
+    turns = not cfg.ping_pong or cfg.num_warps == 8  # two warpgroups to take turns
+    return cfg if fits and cfg.block_m == 16 * cfg.num_warps and turns else None
 
 
 def _forward_gluon_launch(p: AttentionProblem, cfg: TileConfig, q_st, k_st, v_st, o_st, l_st,
@@ -1172,9 +1172,6 @@ def _forward_gluon_launch(p: AttentionProblem, cfg: TileConfig, q_st, k_st, v_st
         outputs, dict(NUM_STAGES=cfg.num_stages, PING_PONG=cfg.ping_pong,
                       COMPUTE_REGISTERS=compute, LOAD_REGISTERS=LOAD_WARP_REGISTERS),
         maxnreg=maxnreg)
-
-
-LOAD_WARP_REGISTERS = 24  # the Gluon forward's load warp: TMA copies and mbarriers only
 
 
 def _gluon_threads(cfg: TileConfig) -> int:
