@@ -357,18 +357,18 @@ GLUON_TILE = None  # --gluon-tile: (block_m, block_n, num_warps, num_stages) for
 GLUON_PING_PONG = False  # --gluon-ping-pong
 
 
-def gluon_tables() -> contextlib.ExitStack:
+def gluon_tables(tile=None, ping_pong: bool = False) -> contextlib.ExitStack:
     """Within: every forward entry asks for the Gluon forward (where it serves), with
-    the ``--gluon-tile`` tile in place of the table's Gluon entries if one was given,
-    and its warpgroups in turns with ``--gluon-ping-pong``."""
+    ``tile`` (``--gluon-tile``) in place of the table's Gluon entries if one is given,
+    and its warpgroups in turns with ``ping_pong`` (``--gluon-ping-pong``)."""
     from fa_kernels import configs
 
-    entries = {} if GLUON_TILE is None else {
-        ("forward_gluon", block_d, dtype): configs.TileConfig(*GLUON_TILE, tma=True)
+    entries = {} if tile is None else {
+        ("forward_gluon", block_d, dtype): configs.TileConfig(*tile, tma=True)
         for block_d in (64, 128, 256) for dtype in ("bfloat16", "float16")}
     stack = contextlib.ExitStack()
     stack.enter_context(configs.override(("forward",), entries=entries, gluon=True))
-    if GLUON_PING_PONG:
+    if ping_pong:
         stack.enter_context(configs.override(("forward_gluon",), ping_pong=True))
     return stack
 
@@ -380,7 +380,7 @@ def tables_for(name):
     if name.endswith(WARP_SPECIALIZED):
         return warp_specialized_tables()
     if name.endswith(GLUON):
-        return gluon_tables()
+        return gluon_tables(GLUON_TILE, GLUON_PING_PONG)
     return contextlib.nullcontext()
 
 

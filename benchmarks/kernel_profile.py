@@ -6,7 +6,7 @@ each kernel (pipe use, stall reasons, occupancy) at the table's config.
                                         [--forward] [--gluon [--ping-pong]]
 
 ``--forward`` runs forward calls only; ``--gluon`` takes the Gluon forward wherever it
-serves (sm_90; ``configs.override``, as ``bench.py --gluon``): its kernel is
+serves (sm_90; the tables of ``bench.py --gluon``): its kernel is
 ``attention_forward_gluon``, so the profile step needs
 ``PROFILE_KERNELS="attention_forward_gluon$"``; ``--ping-pong`` with its two compute
 warpgroups taking the tensor cores in turns.
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import fa_torch  # noqa: E402
-from fa_kernels import configs  # noqa: E402
+from bench import gluon_tables  # noqa: E402  (bench.py --gluon's tables)
 
 
 def main():
@@ -46,11 +46,8 @@ def main():
                            generator=gen, requires_grad=name == "q") for name in ("q", "dout"))
     k, v = (torch.randn(batch, seqlen, heads_k, head_dim, device="cuda", dtype=dtype,
                         generator=gen, requires_grad=True) for _ in range(2))
-    with contextlib.ExitStack() as tables:
-        if args.gluon:
-            tables.enter_context(configs.override(("forward",), gluon=True))
-        if args.ping_pong:
-            tables.enter_context(configs.override(("forward_gluon",), ping_pong=True))
+    tables = gluon_tables(ping_pong=args.ping_pong) if args.gluon else contextlib.nullcontext()
+    with tables:
         for _ in range(args.calls):
             out = fa_torch.attention(q, k, v, causal=args.causal)
             if not args.forward:
