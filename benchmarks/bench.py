@@ -457,6 +457,9 @@ def main():
         f = flops(b, hq, sq, sk, d, causal, mode)
         rows.append(((b, sq, sk, hq, hk, d, causal, mode),
                      {n: dict(r, tflops=f / (r["ms"] * 1e-3) / 1e12) for n, r in result.items()}))
+        # each row as it is timed, so a run cut short by its time limit still reports
+        print(f"{rows[-1][0]}: " + ", ".join(f"{n} {r['tflops']:.0f}" for n, r in rows[-1][1].items()),
+              file=sys.stderr, flush=True)
     names = list(t_impls) + list(j_impls)
     table = render(rows, names, args) + render_front_ends(rows)
     if args.memory:

@@ -4,6 +4,12 @@ second is faster). The rows are matched by shape and mode; peers, timed in both 
 the same machine, show how much the machine itself moved.
 
     python benchmarks/compare.py BASE/RESULTS.md NEW/RESULTS.md
+
+With ``--versions``, one table of runs made under different stacks (each labelled, e.g.
+by its Triton version) on the same machine: each TFLOP/s cell holds every run's figure,
+in the order given, and each of ours is divided by torch's cuDNN of the same run.
+
+    python benchmarks/compare.py --versions "triton 3.6=A/RESULTS.md" "triton 3.9=B/RESULTS.md"
 """
 from __future__ import annotations
 
@@ -42,8 +48,34 @@ def ratio(base: str, new: str) -> str:
     return f"{b / a:.3f}"
 
 
+def versions_table(labelled: list[str]) -> str:
+    """One markdown table of several bench.py runs (``label=path`` each), matched by row."""
+    labels, runs = zip(*(item.split("=", 1) for item in labelled))
+    tables = [first_table(path) for path in runs]
+    columns = [c for c in next(iter(tables[0].values())) if c not in KEY_COLUMNS
+               and c not in ("fa_torch ms",) and "/" not in c]
+    # each of ours against the cuDNN of its own framework, in the same run
+    cudnn = {c: "jax cuDNN" if c.startswith("fa_jax") else "torch SDPA cuDNN"
+             for c in columns if c.startswith(("fa_torch", "fa_jax"))}
+    cudnn = {c: peer for c, peer in cudnn.items() if peer in columns}
+    lines = [f"TFLOP/s, each cell {' / '.join(labels)}.\n",
+             "| " + " | ".join(KEY_COLUMNS) + " | " + " | ".join(columns) + " | "
+             + " | ".join(f"{c} / {peer}" for c, peer in cudnn.items()) + " |"]
+    lines.append("|" + "---|" * (lines[-1].count("|") - 1))
+    for key in tables[0]:
+        rows = [table.get(key, {}) for table in tables]
+        cells = [" / ".join(row.get(c, "—") for row in rows) for c in columns]
+        cells += [" / ".join(ratio(row.get(peer, "—"), row.get(c, "—")) for row in rows)
+                  for c, peer in cudnn.items()]
+        lines.append("| " + " | ".join(key) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--versions"] and len(argv) >= 3:
+        print(versions_table(argv[1:]), end="")
+        return 0
     if len(argv) != 2:
         raise SystemExit(__doc__)
     base, new = first_table(argv[0]), first_table(argv[1])
