@@ -9,7 +9,8 @@ With ``--versions``, one table of runs made under different stacks (each labelle
 by its Triton version) on the same machine: each TFLOP/s cell holds every run's figure,
 in the order given, and each of ours is divided by torch's cuDNN of the same run.
 
-    python benchmarks/compare.py --versions "triton 3.6=A/RESULTS.md" "triton 3.9=B/RESULTS.md"
+    python benchmarks/compare.py --versions "triton 3.6=A/RESULTS.md" "triton 3.9=B/RESULTS.md" \
+        [--plot bench.png]
 """
 from __future__ import annotations
 
@@ -71,10 +72,46 @@ def versions_table(labelled: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def versions_plot(labelled: list[str], path: str) -> None:
+    """One bar group a row of ``versions_table``: each TFLOP/s column of each run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, runs = zip(*(item.split("=", 1) for item in labelled))
+    tables = [first_table(path) for path in runs]
+    columns = [c for c in next(iter(tables[0].values())) if c not in KEY_COLUMNS
+               and c not in ("fa_torch ms",) and "/" not in c]
+    bars = [(c, label, table) for c in columns for label, table in zip(labels, tables)
+            if c.startswith(("fa_torch", "fa_jax")) or label == labels[-1]]
+    keys = list(tables[0])
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(keys)), 4))
+    for i, (column, label, table) in enumerate(bars):
+        heights = [float(table.get(key, {}).get(column, "nan").replace("—", "nan"))
+                   for key in keys]
+        name = column if not column.startswith(("fa_torch", "fa_jax")) else f"{column}, {label}"
+        ax.bar([x + i * width for x in range(len(keys))], heights, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
+    ax.set_xticklabels([f"H{k[3]}/{k[4]} D{k[5]}{' causal' if k[6] == 'True' else ''}\n{k[7]}"
+                        for k in keys], fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--versions"] and len(argv) >= 3:
+        plot = None
+        if "--plot" in argv:
+            at = argv.index("--plot")
+            plot, argv = argv[at + 1], argv[:at] + argv[at + 2:]
         print(versions_table(argv[1:]), end="")
+        if plot:
+            versions_plot(argv[1:], plot)
         return 0
     if len(argv) != 2:
         raise SystemExit(__doc__)
