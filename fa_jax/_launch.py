@@ -90,11 +90,12 @@ def plan_options() -> dict:
 
 
 # The Gluon forward is a warp-specialised kernel: its load warp comes on top of the
-# compute partition's num_warps (12 warps launched for num_warps 8). jax-triton 0.4.1
-# compiles Gluon kernels (GluonASTSource) and passes their descriptors' layouts, but
-# launches with the num_warps it was given, not the compiled kernel's total
-# (triton_lib.py: ``num_warps = backend_options["num_warps"]``): the load warp would
-# never run. fa_jax plans the Triton forward until jax-triton launches the total.
+# compute partition's num_warps (12 warps launched for num_warps 8). jax-triton 0.4.1 can
+# launch neither it nor any warp-specialised kernel as Triton compiles it (NOTES 41): it
+# launches the num_warps it was given, not the compiled total (``.reqntid 384``), and it
+# compiles Gluon source through the plain language's passes instead of Triton's Gluon
+# stage (other PTX than fa_torch's: more wgmma waits, 32 KB more shared memory). fa_jax
+# plans the Triton forward until a jax-triton compiles and launches Gluon as Triton does.
 LAUNCHES_GLUON = False
 
 

@@ -364,10 +364,8 @@ def test_warp_specialized_forward_against_the_plain_kernel(case, dtype):
     unit = torch.finfo(out.dtype).eps
     assert (ws_out.float() - out.float()).abs().max().item() <= unit * out.abs().max().item()
     torch.testing.assert_close(ws_lse, lse, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
-    from fa_jax import _launch as jax_launch
-
-    if ON_GPU and not jax_launch.jax_triton_release().host_descriptors:
-        return  # (jax-triton 0.3.1 takes no host descriptors: fa_jax keeps attention_forward)
+    if ON_GPU:  # jax-triton launches no warp-specialised kernel whole (NOTES 41)
+        return
     j_out, j_lse = forward_plan_jax(ws, launch_arrays(q, k, v))
     assert torch.equal(ws_out.cpu(), j_out) and torch.equal(ws_lse.cpu(), j_lse)
 
