@@ -329,12 +329,11 @@ def memory_table(seqlens=(8192, 16384, 32768, 65536), heads=16, head_dim=128):
 WARP_SPECIALIZED = " ws"  # the name's ending of an impl timed with the warp-specialised kernels
 
 
-def add_warp_specialized_impls(t_impls, j_impls):
+def add_warp_specialized_impls(t_impls):
     """fa_torch again under the name ending WARP_SPECIALIZED: timed with every forward and
     dK/dV entry asking for attention_forward_ws and attention_backward_dkdv_ws
     (``tables_for``). Not fa_jax: jax-triton 0.4.1 launches a warp-specialised kernel
     with fewer warps than it was compiled for (NOTES 41)."""
-    del j_impls
     t_impls["fa_torch" + WARP_SPECIALIZED] = t_impls["fa_torch"]
 
 
@@ -422,7 +421,7 @@ def main():
     for w in args.window:
         add_window_impls(t_impls, j_impls, w)
     if args.warp_specialize:
-        add_warp_specialized_impls(t_impls, j_impls)
+        add_warp_specialized_impls(t_impls)
     if args.gluon:
         t_impls["fa_torch" + GLUON] = t_impls["fa_torch"]
     if args.gluon_tile:

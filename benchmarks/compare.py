@@ -7,7 +7,8 @@ the same machine, show how much the machine itself moved.
 
 With ``--versions``, one table of runs made under different stacks (each labelled, e.g.
 by its Triton version) on the same machine: each TFLOP/s cell holds every run's figure,
-in the order given, and each of ours is divided by torch's cuDNN of the same run.
+in the order given, and each of ours is divided by its own framework's cuDNN of the
+same run.
 
     python benchmarks/compare.py --versions "triton 3.6=A/RESULTS.md" "triton 3.9=B/RESULTS.md" \
         [--plot bench.png]
@@ -49,12 +50,22 @@ def ratio(base: str, new: str) -> str:
     return f"{b / a:.3f}"
 
 
-def versions_table(labelled: list[str]) -> str:
-    """One markdown table of several bench.py runs (``label=path`` each), matched by row."""
+def tflops_columns(table: dict) -> list:
+    """The TFLOP/s columns of a ``first_table``: ours and every peer, not the ratios."""
+    return [c for c in next(iter(table.values())) if c not in KEY_COLUMNS
+            and c not in ("fa_torch ms",) and "/" not in c]
+
+
+def labelled_runs(labelled: list[str]) -> tuple:
+    """(labels, tables, the first table's TFLOP/s columns) of ``label=path`` arguments."""
     labels, runs = zip(*(item.split("=", 1) for item in labelled))
     tables = [first_table(path) for path in runs]
-    columns = [c for c in next(iter(tables[0].values())) if c not in KEY_COLUMNS
-               and c not in ("fa_torch ms",) and "/" not in c]
+    return labels, tables, tflops_columns(tables[0])
+
+
+def versions_table(labelled: list[str]) -> str:
+    """One markdown table of several bench.py runs (``label=path`` each), matched by row."""
+    labels, tables, columns = labelled_runs(labelled)
     # each of ours against the cuDNN of its own framework, in the same run
     cudnn = {c: "jax cuDNN" if c.startswith("fa_jax") else "torch SDPA cuDNN"
              for c in columns if c.startswith(("fa_torch", "fa_jax"))}
@@ -79,10 +90,7 @@ def versions_plot(labelled: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, runs = zip(*(item.split("=", 1) for item in labelled))
-    tables = [first_table(path) for path in runs]
-    columns = [c for c in next(iter(tables[0].values())) if c not in KEY_COLUMNS
-               and c not in ("fa_torch ms",) and "/" not in c]
+    labels, tables, columns = labelled_runs(labelled)
     bars = [(c, label, table) for c in columns for label, table in zip(labels, tables)
             if c.startswith(("fa_torch", "fa_jax")) or label == labels[-1]]
     keys = list(tables[0])
@@ -116,8 +124,7 @@ def main(argv=None) -> int:
     if len(argv) != 2:
         raise SystemExit(__doc__)
     base, new = first_table(argv[0]), first_table(argv[1])
-    peers = [c for c in next(iter(new.values())) if c not in KEY_COLUMNS
-             and c not in ("fa_torch ms",) and "/" not in c]
+    peers = tflops_columns(new)
     print(f"{argv[1]} against {argv[0]}: fa_torch's ms in each, then each TFLOP/s column's "
           "ratio, new over base (> 1: the new run is faster)\n")
     print("| " + " | ".join(KEY_COLUMNS) + " | fa_torch ms, base | fa_torch ms, new | "
